@@ -1,0 +1,32 @@
+"""Step metadata that every attention backend reads: where new K/V go and which cached K/V each query sees.
+
+Packed layout: the step's new tokens of all sequences are concatenated, sequence after sequence.
+For sequence i, the new tokens are rows query_start_loc[i] : query_start_loc[i+1] and occupy positions
+seq_lens[i] - query_len_i ... seq_lens[i] - 1 of that sequence (earlier positions are already in the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # [num_tokens] int64: flat cache slot (block_id * block_size + offset) for each new token's K/V; -1 = don't store.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: cu_seqlens of the queries in the packed batch.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: tokens in each sequence's context after this step (cached + new). 0 for padding rows.
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: KV block ids in position order; entries past a sequence's end are unused.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # True when every sequence has exactly one new token (the decode fast path that CUDA graphs capture).
+    decode_only: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

@@ -1,0 +1,73 @@
+"""Reference attention backend in plain PyTorch: runs on CPU and GPU, for any mix of prefill, chunks and decode.
+
+Every sequence's cached K/V is gathered through its block table into a padded [num_seqs, max_seq_len] batch and
+the queries are padded to [num_seqs, max_query_len]; one masked SDPA call then serves the whole step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k_cache.view(-1, H, D)[slot] = key[token] for every token whose slot is not -1."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] -> [num_seqs, max_seq_len, H, D], positions in order through the block table."""
+    block_size = cache.shape[1]
+    num_blocks_needed = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks_needed].long()
+    context = cache[tables]  # [num_seqs, num_blocks_needed, block_size, H, D]
+    return context.flatten(1, 2)[:, :max_seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
+    num_tokens = query.shape[0]
+    num_seqs, max_q, max_k = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
+    device = query.device
+    query_start = metadata.query_start_loc.long()
+    query_lens = query_start[1:] - query_start[:-1]
+    seq_lens = metadata.seq_lens.long()
+
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens)
+    token_row = torch.arange(num_tokens, device=device) - query_start[token_seq]
+    padded_query = query.new_zeros(num_seqs, max_q, *query.shape[1:])
+    padded_query[token_seq, token_row] = query
+
+    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype)
+    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype)
+
+    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None]  # [num_seqs, max_q]
+    key_pos = torch.arange(max_k, device=device)
+    visible = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < seq_lens[:, None, None])
+
+    out = F.scaled_dot_product_attention(
+        padded_query.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)[token_seq, token_row]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention(query, k_cache, v_cache, metadata, scale)
