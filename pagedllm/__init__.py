@@ -1,0 +1,8 @@
+"""pagedllm: a small, readable, fast LLM inference engine with a vLLM-compatible offline API."""
+
+from pagedllm.llm import LLM
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -47,12 +47,15 @@ def paged_attention(
     padded_query = query.new_zeros(num_seqs, max_q, *query.shape[1:])
     padded_query[token_seq, token_row] = query
 
-    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype)
-    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype)
+    key_pos = torch.arange(max_k, device=device)
+    in_context = key_pos[None] < seq_lens[:, None]  # [num_seqs, max_k]
+    # Slots past a sequence's end may hold anything (even NaN from never-written memory): zero them.
+    unused = ~in_context[:, :, None, None]
+    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype).masked_fill(unused, 0)
+    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype).masked_fill(unused, 0)
 
     query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None]  # [num_seqs, max_q]
-    key_pos = torch.arange(max_k, device=device)
-    visible = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < seq_lens[:, None, None])
+    visible = (key_pos[None, None] <= query_pos[:, :, None]) & in_context[:, None]
 
     out = F.scaled_dot_product_attention(
         padded_query.transpose(1, 2),

@@ -1,0 +1,1 @@
+"""Request lifecycle: tokenize, validate, schedule and run steps, detokenize, report outputs."""

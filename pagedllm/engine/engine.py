@@ -1,0 +1,170 @@
+"""LLMEngine: add requests, step the scheduler and model runner, and turn finished work into RequestOutputs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.executor.model_runner import ModelRunner
+from pagedllm.loader.checkpoint import open_checkpoint
+from pagedllm.models.spec import DecoderSpec
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.block_manager import BlockManager
+from pagedllm.scheduler.scheduler import Scheduler
+from pagedllm.scheduler.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), hf_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1")
+        self.config = config
+        checkpoint = open_checkpoint(config.model, config.tokenizer)
+        self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
+        self.tokenizer = checkpoint.tokenizer
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, checkpoint.checkpoint_dtype)
+        self.runner = ModelRunner(config, checkpoint, self.spec, self.max_model_len, device, dtype)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.eos_token_ids = eos_token_ids(checkpoint.hf_config, self.tokenizer, checkpoint.generation_config)
+        self.requests: dict[str, Request] = {}
+        self.request_counter = itertools.count()
+        self.last_step = StepStats()
+
+    def next_request_id(self) -> str:
+        return str(next(self.request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        """Validate and queue one request. Raises ValueError (and queues nothing) for bad input."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self.validate_length(token_ids, params)
+        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
+        self.requests[request_id] = Request(seq, text, IncrementalDetokenizer(self.tokenizer, token_ids))
+        self.scheduler.add(seq)
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, list | tuple) or not token_ids:
+                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids holds {len(bad)} id(s) outside the vocabulary [0, {self.spec.vocab_size}), "
+                    f"e.g. {bad[0]!r}"
+                )
+            return prompt.get("prompt"), list(token_ids)
+        raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def validate_length(self, token_ids: list[int], params: SamplingParams) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter to leave room for at least one generated token"
+            )
+        longest = self.max_model_len if params.max_tokens is None else len(token_ids) + params.max_tokens
+        blocks_needed = self.block_manager.blocks_for_tokens(min(longest, self.max_model_len))
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"this request can grow to {min(longest, self.max_model_len)} tokens ({blocks_needed} KV blocks), "
+                f"but the KV cache holds only {self.block_manager.num_blocks} blocks of {self.config.block_size}; "
+                "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request_id)
+            self.runner.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that produced a token this step."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty():
+            return []
+        num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
+        self.last_step = StepStats(batch.num_tokens - num_decode, num_decode)
+        sampled_token_ids = self.runner.execute(batch)
+        sampled_seqs = [
+            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        self.scheduler.update(batch, sampled_token_ids)
+        outputs = []
+        for seq, token_id in zip(sampled_seqs, sampled_token_ids):
+            request = self.requests[seq.request_id]
+            request.detokenizer.add(token_id)
+            outputs.append(self.make_output(request))
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+                self.runner.release(seq.request_id)
+        return outputs
+
+    def make_output(self, request: Request) -> RequestOutput:
+        seq = request.seq
+        completion = CompletionOutput(0, request.detokenizer.text, seq.output_token_ids, seq.finish_reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+        )
+
+
+def resolve_max_model_len(requested: int | None, spec: DecoderSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window:  # attention is exact only while the whole context fits in the window
+        limit = min(limit, spec.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
+    return requested

@@ -1,0 +1,116 @@
+"""ModelRunner: owns the model, its KV cache and the attention backend, and runs one scheduled step at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.config import EngineConfig
+from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.step_inputs import build_step_inputs
+from pagedllm.layers.parallel_state import tp_size
+from pagedllm.layers.sampler import SamplingTensors, sample
+from pagedllm.loader.checkpoint import Checkpoint
+from pagedllm.loader.weights import load_weights
+from pagedllm.models.registry import build_model
+from pagedllm.models.spec import DecoderSpec
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.scheduler import ScheduledBatch
+from pagedllm.scheduler.sequence import Sequence
+
+
+def make_attention_backend(name: str | None, device: torch.device):
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        spec: DecoderSpec,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.config, self.spec, self.device, self.dtype = config, spec, device, dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = build_model(spec, max_model_len, dtype, device)
+        load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
+        self.backend = make_attention_backend(config.attention_backend, device)
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
+        block_bytes = kv_block_bytes(spec, config.block_size, dtype, tp_size())
+        self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
+        self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
+
+    def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
+        layers = [module for module in self.model.modules() if hasattr(module, "k_cache")]
+        for index, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, index], kv_cache[1, index], self.backend
+        return kv_cache
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run the largest prefill step and the largest decode step once, on a throwaway cache."""
+        seq_len = min(self.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
+        num_blocks = num_seqs * -(-seq_len // self.block_size)
+        self.bind_kv_cache(num_blocks + self.config.max_num_seqs)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        prefill = [Sequence(f"warmup-{i}", [0] * seq_len, params) for i in range(num_seqs)]
+        for seq_index, seq in enumerate(prefill):
+            first = seq_index * -(-seq_len // self.block_size)
+            seq.block_table = list(range(first, first + -(-seq_len // self.block_size)))
+        self.execute(ScheduledBatch(prefill, [seq_len] * num_seqs))
+        decode = [Sequence(f"warmup-d{i}", [0], params) for i in range(self.config.max_num_seqs)]
+        for seq_index, seq in enumerate(decode):
+            seq.block_table = [num_blocks + seq_index]
+        self.execute(ScheduledBatch(decode, [1] * len(decode)))
+        self.release_all()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns one sampled token id per sequence whose step reached its last token."""
+        inputs = build_step_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not inputs.sampled_seq_indices:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        seqs = [batch.seqs[index] for index in inputs.sampled_seq_indices]
+        return sample(logits, self.sampling_tensors(seqs)).tolist()
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [seq.sampling_params for seq in seqs]
+        top_ps = [p.top_p for p in params]
+        top_ks = [p.top_k for p in params]
+        return SamplingTensors(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            top_ps=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps, device=self.device),
+            top_ks=None if not any(top_ks) else torch.tensor(top_ks, device=self.device),
+            generators=[self.generator_for(seq) for seq in seqs],
+            default_generator=self.default_generator,
+            all_greedy=all(p.temperature == 0 for p in params),
+        )
+
+    def generator_for(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None or seq.sampling_params.temperature == 0:
+            return None
+        if seq.request_id not in self.generators:
+            self.generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[seq.request_id]
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def release_all(self) -> None:
+        self.generators.clear()

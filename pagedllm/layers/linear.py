@@ -1,0 +1,96 @@
+"""Linear layers split across tensor-parallel ranks, as in Megatron/vLLM.
+
+Column-parallel layers split the output features (no communication); row-parallel layers split the input
+features and all-reduce the partial sums. Each parameter carries a weight_loader that takes the full
+checkpoint tensor and copies in this rank's shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.parallel_state import all_reduce, divide, tp_rank, tp_size
+
+
+def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's rows (output features) split across ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        copy_weight(param, loaded.narrow(0, tp_rank() * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): each rank holds [gate_shard; up_shard]."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; each rank holds its heads: [q heads; k heads; v heads]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size(), "num_attention_heads")
+        self.num_kv_heads = divide(num_kv_heads, tp_size(), "num_key_value_heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's columns (input features) split: each rank multiplies its slice, then all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            copy_weight(param, loaded)
+            return
+        shard = param.shape[1]
+        copy_weight(param, loaded.narrow(1, tp_rank() * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

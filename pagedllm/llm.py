@@ -1,0 +1,105 @@
+"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, sampling_params) and LLM(...).chat(messages)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    """An LLM for offline batched inference.
+
+    `model` is a Hugging Face model directory or a .gguf file; None loads the embedded SmolLM2-135M-Instruct.
+    Every keyword is an EngineConfig field; an unknown one is a TypeError.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order. Bad input raises before anything runs."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params_list = per_prompt_params(sampling_params, len(prompt_list))
+        engine = self.llm_engine
+        request_ids = [engine.next_request_id() for _ in prompt_list]
+        added = []
+        try:
+            for request_id, prompt, params in zip(request_ids, prompt_list, params_list):
+                engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+            return self.run_to_completion(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in added:  # a failure (bad prompt, Ctrl-C) leaves nothing behind in the engine
+                engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
+            )
+            if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - start
+            stats = engine.last_step
+            if stats.num_decode_tokens:
+                decode_rate = stats.num_decode_tokens / elapsed
+            if stats.num_prefill_tokens:
+                prefill_rate = stats.num_prefill_tokens / elapsed
+            progress.set_postfix_str(f"prefill {prefill_rate:.0f} tok/s, decode {decode_rate:.0f} tok/s", refresh=False)
+            for output in outputs:
+                if output.finished:
+                    finished[output.request_id] = output
+                    progress.update(1)
+        progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def per_prompt_params(
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts; give one, or one per prompt")
+    return params

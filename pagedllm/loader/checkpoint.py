@@ -1,0 +1,71 @@
+"""Open a model by path: a Hugging Face directory or a GGUF file (None: the embedded default model).
+
+Whatever the format, the engine gets a transformers config, a tokenizer, and (name, tensor) pairs with
+Hugging Face parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from pagedllm.loader.safetensors_loader import iterate_safetensors
+
+
+@dataclass
+class Checkpoint:
+    source: str
+    hf_config: object
+    tokenizer: object
+    # dtype -> (name, tensor) pairs in that dtype
+    named_tensors: Callable[[torch.dtype], Iterable[tuple[str, torch.Tensor]]]
+    checkpoint_dtype: object = None
+    generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
+
+
+def open_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoint:
+    if model is None:
+        from pagedllm.loader.default_model import default_model_path
+
+        model = str(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return open_gguf(path, tokenizer)
+    if path.is_dir() and (path / "config.json").exists():
+        return open_hf_directory(path, tokenizer)
+    if path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    raise ValueError(
+        f"model {model!r} is neither a Hugging Face model directory nor a .gguf file; pagedllm loads local files "
+        "only (download the model first), or pass no model to use the embedded SmolLM2-135M-Instruct"
+    )
+
+
+def open_hf_directory(path: Path, tokenizer: str | None) -> Checkpoint:
+    hf_config = AutoConfig.from_pretrained(path)
+    return Checkpoint(
+        source=str(path),
+        hf_config=hf_config,
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer or path),
+        named_tensors=lambda dtype: iterate_safetensors(path, dtype),
+        checkpoint_dtype=getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
+        generation_config=(
+            GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
+        ),
+    )
+
+
+def open_gguf(path: Path, tokenizer: str | None) -> Checkpoint:
+    from pagedllm.loader.gguf_loader import load_gguf
+
+    gguf = load_gguf(path, torch.float32)
+    return Checkpoint(
+        source=str(path),
+        hf_config=gguf.config,
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer) if tokenizer else gguf.tokenizer,
+        named_tensors=lambda dtype: ((name, tensor.to(dtype)) for name, tensor in gguf.tensors.items()),
+    )

@@ -1,0 +1,32 @@
+"""A Hugging Face model directory: config.json and one or many *.safetensors (with or without the index file)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights found (other formats are not supported)")
+    missing = [str(path) for path in files if not path.exists()]
+    if missing:
+        raise ValueError(f"{model_dir}: the index names files that do not exist: {', '.join(missing)}")
+    return files
+
+
+def iterate_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name).to(dtype)

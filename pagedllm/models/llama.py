@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): packed qkv and gate_up, fused residual norms.
+
+Module names follow the Hugging Face checkpoints, so a checkpoint name maps to a parameter by replacing only
+the packed pieces listed in PACKED_MODULES.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.spec import DecoderSpec
+
+# checkpoint module name -> (packed module name, shard id)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, bias=spec.qkv_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, spec.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, scale=spec.head_dim**-0.5)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary_emb(positions, query, key)
+        return self.o_proj(self.attn(query, key, value, metadata))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.self_attn = SelfAttention(spec, max_position)
+        self.mlp = GatedMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, max_position) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; `spec` carries every difference between the families."""
+
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, max_position)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

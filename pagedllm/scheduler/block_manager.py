@@ -1,0 +1,136 @@
+"""Paged KV blocks with reference counts, and the prefix cache: full blocks found again by a chained content hash.
+
+A block is either held (ref_count > 0, in some sequences' block tables) or free (ref_count == 0, in
+free_block_ids). A free block keeps its hash and tokens, so a later request with the same prefix can take it
+back; free blocks are handed out oldest-freed first (LRU), and blocks with no hash go first of all.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+from pagedllm.scheduler.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # hash of this block's tokens chained with every block before it
+    token_ids: tuple[int, ...] = ()  # kept to tell a true hit from a hash collision
+
+
+def chained_block_hash(previous_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    hasher = xxhash.xxh64()
+    if previous_hash is not None:
+        hasher.update(previous_hash.to_bytes(8, "little"))
+    hasher.update(array("q", token_ids).tobytes())
+    return hasher.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
+        self.cached_block_ids: dict[int, int] = {}  # hash -> id of a block holding exactly those tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks matching seq's leading full blocks. The last token is never taken from the cache:
+        it must be computed so the step has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        previous_hash = None
+        for start in range(0, seq.num_tokens - self.block_size, self.block_size):
+            token_ids = tuple(seq.token_ids[start : start + self.block_size])
+            previous_hash = chained_block_hash(previous_hash, token_ids)
+            block_id = self.cached_block_ids.get(previous_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def take_cached_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
+        assert not seq.block_table, "a sequence takes cached blocks only when it holds none"
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = list(block_ids)
+        seq.num_hashed_blocks = len(block_ids)
+        seq.num_computed_tokens = len(block_ids) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold num_new_tokens more; False (and no change) if there are too few free."""
+        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > len(self.free_block_ids):
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._allocate_free_block())
+        return True
+
+    def _allocate_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached_block_ids.get(block.hash) == block_id:
+            del self.cached_block_ids[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Index the blocks that became full of computed tokens, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        for index in range(seq.num_hashed_blocks, num_full_blocks):
+            previous_hash = self.blocks[seq.block_table[index - 1]].hash if index else None
+            token_ids = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+            block = self.blocks[seq.block_table[index]]
+            block.hash = chained_block_hash(previous_hash, token_ids)
+            block.token_ids = token_ids
+            self.cached_block_ids.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, last block first, so a shared prefix outlives the tails that extend it."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.hash is None:  # nothing to reuse: hand it out before any cached block
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def check_invariants(self, holders: list[Sequence]) -> None:
+        """Every block is free xor held; reference counts equal the number of block tables holding the block."""
+        held: dict[int, int] = {}
+        for seq in holders:
+            for block_id in seq.block_table:
+                held[block_id] = held.get(block_id, 0) + 1
+        for block in self.blocks:
+            assert block.ref_count == held.get(block.block_id, 0), f"block {block.block_id} ref_count mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), f"block {block.block_id}"
+        for block_hash, block_id in self.cached_block_ids.items():
+            assert self.blocks[block_id].hash == block_hash, f"stale prefix-cache entry for block {block_id}"

@@ -1,0 +1,53 @@
+"""One request's tokens and progress, as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    num_prompt_tokens: int = 0
+    # Invariant: num_computed_tokens <= num_tokens; tokens below it have their K/V in the cache.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # block_table[:num_hashed_blocks] are full, computed and in the prefix cache's index
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, and their tokenizer.
+
+No model hub is reachable, so the tokenizer is a byte-level BPE trained here on a few sentences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+VOCAB_SIZE = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "0123456789 + - * / = ( ) [ ] { }",
+] * 20
+
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+# name -> (model_type, config overrides)
+TINY_MODELS = {
+    "llama_gqa_untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama3_rope_tied": (
+        "llama",
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen2_bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)),
+}
+
+
+def train_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", pad_token="<pad>")
+
+
+def make_config(model_type: str, overrides: dict):
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
+    return config
+
+
+def write_tiny_model(directory, name: str, seed: int = 0):
+    model_type, overrides = TINY_MODELS[name]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(model_type, overrides)).to(torch.float32).eval()
+    model.save_pretrained(directory)
+    train_tokenizer().save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Every tiny checkpoint, written once per test session."""
+    dirs = {}
+    for name in TINY_MODELS:
+        directory = tmp_path_factory.mktemp(name)
+        write_tiny_model(directory, name)
+        dirs[name] = str(directory)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama_gqa_untied"]
