@@ -1,0 +1,100 @@
+"""Greedy output must not change with prefix caching, chunk size, preemption or batch composition
+(../shared/DESIGN.md), and no KV block may stay held once every request has ended."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import VOCAB_SIZE
+
+from pagedllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def make_prompts(count: int = 16, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    shared_prefix = [rng.randrange(2, VOCAB_SIZE) for _ in range(40)]
+    prompts = []
+    for index in range(count):
+        tail = [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randrange(1, 60))]
+        prompts.append({"prompt_token_ids": (shared_prefix if index % 2 else []) + tail})
+    return prompts
+
+
+def greedy_tokens(llm: LLM, prompts: list[dict]) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    block_manager = llm.llm_engine.block_manager
+    block_manager.check_invariants(holders=[])
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def baseline(llama_dir, prompts):
+    llm = LLM(llama_dir, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    tokens = greedy_tokens(llm, prompts)
+    assert_no_block_held(llm)
+    return tokens
+
+
+def test_prefix_caching_changes_nothing(llama_dir, prompts, baseline):
+    llm = LLM(llama_dir, enable_prefix_caching=True)
+    assert greedy_tokens(llm, prompts) == baseline
+    assert greedy_tokens(llm, prompts) == baseline  # second pass: served mostly from the cache
+    assert_no_block_held(llm)
+
+
+@pytest.mark.parametrize("budget", [7, 64])
+def test_chunked_prefill_changes_nothing(llama_dir, prompts, baseline, budget):
+    llm = LLM(llama_dir, max_num_batched_tokens=budget)
+    assert greedy_tokens(llm, prompts) == baseline
+    assert_no_block_held(llm)
+
+
+def test_preemption_changes_nothing(llama_dir, prompts, baseline):
+    longest = max(len(p["prompt_token_ids"]) for p in prompts) + GREEDY.max_tokens
+    llm = LLM(llama_dir, num_kv_blocks=-(-longest // 16), block_size=16)
+    assert greedy_tokens(llm, prompts) == baseline
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_no_block_held(llm)
+
+
+def test_batch_composition_changes_nothing(llama_dir, prompts, baseline):
+    llm = LLM(llama_dir)
+    alone = [greedy_tokens(llm, [prompt])[0] for prompt in prompts[:3]]
+    assert alone == baseline[:3]
+    assert greedy_tokens(llm, prompts) == baseline
+
+
+def test_shared_prefix_reports_cached_tokens(llama_dir):
+    llm = LLM(llama_dir, block_size=16)
+    prefix = list(range(2, 70))
+    first = llm.generate({"prompt_token_ids": prefix + [70]}, GREEDY, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": prefix + [71, 72]}, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64  # four full blocks of the 68-token shared prefix
+
+
+def test_abort_frees_every_block(llama_dir, prompts):
+    llm = LLM(llama_dir, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, GREEDY)
+    for _ in range(3):
+        engine.step()
+    for index in range(0, len(prompts), 2):  # abort running and waiting requests alike
+        engine.abort_request(f"r{index}")
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {output.request_id for output in engine.step() if output.finished}
+    assert finished == {f"r{index}" for index in range(1, len(prompts), 2)}
+    assert_no_block_held(llm)
