@@ -60,16 +60,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"}) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            token_ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
-            )
-            if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
-                token_ids = token_ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(token_ids)})
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(
+        self, conversation: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> dict:
+        """One conversation rendered by the model's chat template, as {"prompt_token_ids": [...]}."""
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
+        token_ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
+        )
+        if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
+            token_ids = token_ids["input_ids"]
+        return {"prompt_token_ids": list(token_ids)}
 
     def run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

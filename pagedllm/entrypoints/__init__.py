@@ -1,0 +1,1 @@
+"""Ways in for people: the `pagedllm` command line."""

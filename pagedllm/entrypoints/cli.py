@@ -1,0 +1,132 @@
+"""The `pagedllm` command: chat with a model, generate completions, or benchmark the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_THREADS = 1  # see README "CPU threads": 2 threads on a shared 2-core machine collapse under load
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and sampling")
+    group.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M)")
+    group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer (256)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the default; try 0.7")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
+    group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=f"CPU threads ({DEFAULT_THREADS})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm",
+        description="A small, readable LLM inference engine. Runs the embedded SmolLM2-135M-Instruct "
+        "when no --model is given.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chat = commands.add_parser("chat", help="chat in the terminal, answers streamed as they are generated")
+    chat.add_argument("--message", help="answer this one message and exit")
+    chat.add_argument("--system", help="system prompt for the conversation")
+    add_common_flags(chat)
+    generate = commands.add_parser("generate", help="complete prompts given as arguments or in a file")
+    generate.add_argument("prompts", nargs="*", help="prompts to complete")
+    generate.add_argument("--file", help="a text file with one prompt per line")
+    add_common_flags(generate)
+    return parser
+
+
+def make_llm(args: argparse.Namespace):
+    import torch
+
+    from pagedllm import LLM
+
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    return LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+
+
+def stream_reply(llm, conversation: list[dict], params) -> str:
+    """Print the assistant's answer as it is generated; return the whole answer."""
+    engine = llm.llm_engine
+    request_id = engine.next_request_id()
+    engine.add_request(request_id, llm.chat_prompt(conversation), params)
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                new_text = output.outputs[0].text
+                print(new_text[len(text) :], end="", flush=True)
+                text = new_text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    print(flush=True)
+    return text
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    llm = make_llm(args)
+    params = sampling_params(args)
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        conversation.append({"role": "user", "content": args.message})
+        stream_reply(llm, conversation, params)
+        return
+    print("Chat with the model; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ")
+        except EOFError:
+            break
+        if not message.strip():
+            break
+        conversation.append({"role": "user", "content": message})
+        conversation.append({"role": "assistant", "content": stream_reply(llm, conversation, params)})
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as handle:
+                prompts += [line.rstrip("\n") for line in handle if line.strip()]
+        except OSError as error:
+            raise ValueError(f"cannot read --file: {error}") from None
+    if not prompts:
+        raise ValueError("give at least one prompt, as arguments or with --file")
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    prompts = read_prompts(args)
+    llm = make_llm(args)
+    outputs = llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1)
+    for index, output in enumerate(outputs):
+        if len(outputs) > 1:
+            print(f"--- [{index}] {output.prompt}")
+        print(output.outputs[0].text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"chat": run_chat, "generate": run_generate}[args.command](args)
+    except (ValueError, TypeError) as error:
+        print(f"pagedllm: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
