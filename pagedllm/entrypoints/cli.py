@@ -74,8 +74,8 @@ def stream_reply(llm, conversation: list[dict], params) -> str:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    llm = make_llm(args)
     params = sampling_params(args)
+    llm = make_llm(args)
     conversation = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         conversation.append({"role": "user", "content": args.message})
@@ -108,8 +108,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run_generate(args: argparse.Namespace) -> None:
     prompts = read_prompts(args)
+    params = sampling_params(args)
     llm = make_llm(args)
-    outputs = llm.generate(prompts, sampling_params(args), use_tqdm=len(prompts) > 1)
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for index, output in enumerate(outputs):
         if len(outputs) > 1:
             print(f"--- [{index}] {output.prompt}")
