@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         {"chat": run_chat, "generate": run_generate}[args.command](args)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, OSError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

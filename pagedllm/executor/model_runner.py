@@ -6,8 +6,9 @@ import torch
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
+from pagedllm.executor.cuda_graphs import DecodeGraphs
 from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
-from pagedllm.executor.step_inputs import build_step_inputs
+from pagedllm.executor.step_inputs import StepBuffers, StepInputs, build_host_inputs, wrap_host_inputs
 from pagedllm.layers.parallel_state import tp_size
 from pagedllm.layers.sampler import SamplingTensors, sample
 from pagedllm.loader.checkpoint import Checkpoint
@@ -42,6 +43,13 @@ class ModelRunner:
         self.config, self.spec, self.device, self.dtype = config, spec, device, dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        # On CUDA every block table is as wide as max_model_len needs, so the graphs' buffers always fit.
+        self.table_width = -(-max_model_len // config.block_size) if device.type == "cuda" else None
+        self.buffers = None
+        if device.type == "cuda":
+            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.table_width, device)
+        self.graphs: DecodeGraphs | None = None
         self.model = build_model(spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
         self.backend = make_attention_backend(config.attention_backend, device)
@@ -50,6 +58,9 @@ class ModelRunner:
         block_bytes = kv_block_bytes(spec, config.block_size, dtype, tp_size())
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
+        if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
+            self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
+            self.graphs.capture()
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
         kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
@@ -80,13 +91,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns one sampled token id per sequence whose step reached its last token."""
-        inputs = build_step_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        inputs, hidden = self.forward(batch)
         if not inputs.sampled_seq_indices:
             return []
         logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
         seqs = [batch.seqs[index] for index in inputs.sampled_seq_indices]
         return sample(logits, self.sampling_tensors(seqs)).tolist()
+
+    def forward(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor]:
+        num_seqs = len(batch.seqs)
+        graph_size = None
+        if self.graphs is not None and batch.num_tokens == num_seqs:  # a decode step
+            graph_size = self.graphs.padded_size(num_seqs)
+        host = build_host_inputs(batch, self.block_size, self.table_width, pad_to=graph_size)
+        inputs = self.buffers.upload(host) if self.buffers is not None else wrap_host_inputs(host)
+        if graph_size is not None:
+            return inputs, self.graphs.replay(graph_size)
+        return inputs, self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.sampling_params for seq in seqs]
