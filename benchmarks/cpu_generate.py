@@ -17,14 +17,17 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.loader.default_model import default_model_path
 
 TOPICS = ["the sea", "paged attention", "Paris", "prime numbers", "a robot", "coffee", "the moon", "Python"]
-ASKS = ["Write one sentence about {}.", "Explain {} to a child, with an example and a short story.", "{}?"]
+ASKS = ["Write one sentence about {}.", "Explain {} to a child.", "Summarise the notes above about {}."]
+NOTE = "Note {}: the engine keeps the KV cache in blocks of sixteen tokens and reuses shared prefixes. "
 
 
 def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
+    """Chat prompts from a one-line question to a question after ~1,000 tokens of notes, lengths spread evenly."""
     rng = random.Random(0)
     prompts = []
-    for _ in range(count):
-        question = rng.choice(ASKS).format(rng.choice(TOPICS)) + " Please be detailed." * rng.randrange(0, 12)
+    for index in range(count):
+        notes = "".join(NOTE.format(n) for n in range(index * 48 // count))
+        question = notes + rng.choice(ASKS).format(rng.choice(TOPICS))
         prompts.append(llm.chat_prompt([{"role": "user", "content": question}])["prompt_token_ids"])
     return prompts
 

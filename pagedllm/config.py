@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 class EngineConfig:
     model: str | None = None  # HF model directory or .gguf file; None: the embedded default model
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

@@ -28,6 +28,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes so the next run computes everything again (benchmarks use this)."""
+        self.llm_engine.block_manager.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | SequenceABC[Prompt],

@@ -1,7 +1,8 @@
 """Reference attention backend in plain PyTorch: runs on CPU and GPU, for any mix of prefill, chunks and decode.
 
-Every sequence's cached K/V is gathered through its block table into a padded [num_seqs, max_seq_len] batch and
-the queries are padded to [num_seqs, max_query_len]; one masked SDPA call then serves the whole step.
+Decode steps gather every sequence's cached K/V through its block table into one padded
+[num_seqs, max_seq_len] batch for a single masked SDPA call; steps with longer queries attend sequence by
+sequence, so a short prompt beside a long one costs no padding.
 """
 
 from __future__ import annotations
@@ -35,6 +36,34 @@ def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
+    if metadata.decode_only:
+        return batched_paged_attention(query, k_cache, v_cache, metadata, scale)
+    return per_sequence_paged_attention(query, k_cache, v_cache, metadata, scale)
+
+
+def per_sequence_paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    out = torch.empty_like(query)
+    query_start = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    for index, seq_len in enumerate(seq_lens):
+        start, end = query_start[index], query_start[index + 1]
+        table = metadata.block_tables[index : index + 1]
+        keys = gather_context(k_cache, table, seq_len)[0].to(query.dtype).transpose(0, 1)  # [kv_heads, len, dim]
+        values = gather_context(v_cache, table, seq_len)[0].to(query.dtype).transpose(0, 1)
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        visible = torch.arange(seq_len, device=query.device)[None] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
+def batched_paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
     num_tokens = query.shape[0]
     num_seqs, max_q, max_k = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
     device = query.device
@@ -49,10 +78,9 @@ def paged_attention(
 
     key_pos = torch.arange(max_k, device=device)
     in_context = key_pos[None] < seq_lens[:, None]  # [num_seqs, max_k]
-    # Slots past a sequence's end may hold anything (even NaN from never-written memory): zero them.
-    unused = ~in_context[:, :, None, None]
-    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype).masked_fill(unused, 0)
-    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype).masked_fill(unused, 0)
+    # Slots past a sequence's end hold stale but finite values (the cache starts zeroed): the mask hides them.
+    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype)
+    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype)
 
     query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None]  # [num_seqs, max_q]
     visible = (key_pos[None, None] <= query_pos[:, :, None]) & in_context[:, None]

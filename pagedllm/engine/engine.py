@@ -21,7 +21,7 @@ from pagedllm.scheduler.sequence import Sequence
 class Request:
     seq: Sequence
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
 
 
 @dataclass(slots=True)
@@ -32,7 +32,12 @@ class StepStats:
 
 def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(generation_config, "eos_token_id", None), hf_config.eos_token_id, tokenizer.eos_token_id):
+    sources = (
+        getattr(generation_config, "eos_token_id", None),
+        hf_config.eos_token_id,
+        getattr(tokenizer, "eos_token_id", None),
+    )
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -45,7 +50,7 @@ class LLMEngine:
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1")
         self.config = config
-        checkpoint = open_checkpoint(config.model, config.tokenizer)
+        checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer=not config.skip_tokenizer_init)
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
@@ -79,13 +84,16 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self.validate_length(token_ids, params)
         seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
-        self.requests[request_id] = Request(seq, text, IncrementalDetokenizer(self.tokenizer, token_ids))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+        self.requests[request_id] = Request(seq, text, detokenizer)
         self.scheduler.add(seq)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
@@ -139,7 +147,8 @@ class LLMEngine:
         outputs = []
         for seq, token_id in zip(sampled_seqs, sampled_token_ids):
             request = self.requests[seq.request_id]
-            request.detokenizer.add(token_id)
+            if request.detokenizer is not None:
+                request.detokenizer.add(token_id)
             outputs.append(self.make_output(request))
             if seq.is_finished:
                 del self.requests[seq.request_id]
@@ -148,7 +157,8 @@ class LLMEngine:
 
     def make_output(self, request: Request) -> RequestOutput:
         seq = request.seq
-        completion = CompletionOutput(0, request.detokenizer.text, seq.output_token_ids, seq.finish_reason)
+        text = request.detokenizer.text if request.detokenizer is not None else ""
+        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=request.prompt,

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="*", help="prompts to complete")
     generate.add_argument("--file", help="a text file with one prompt per line")
     add_common_flags(generate)
+    from pagedllm.entrypoints.bench import build_parser as build_bench_parser
+
+    bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
+    build_bench_parser(bench)
     return parser
 
 
@@ -120,7 +124,9 @@ def run_generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"chat": run_chat, "generate": run_generate}[args.command](args)
+        from pagedllm.entrypoints.bench import run as run_bench
+
+        {"chat": run_chat, "generate": run_generate, "bench": run_bench}[args.command](args)
     except (ValueError, TypeError, OSError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.models.spec import DecoderSpec
 
 CPU_MEMORY_SHARE = 0.2
-CPU_MAX_KV_BYTES = 4 << 30
+CPU_MAX_KV_BYTES = 1 << 30
 
 
 def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, tp_size: int) -> int:
@@ -72,6 +72,7 @@ def choose_num_kv_blocks(
 def allocate_kv_cache(
     spec: DecoderSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, tp_size: int
 ) -> torch.Tensor:
-    """[2 (K, V), num_layers, num_blocks, block_size, kv_heads, head_dim]; never-written slots are never read."""
+    """[2 (K, V), num_layers, num_blocks, block_size, kv_heads, head_dim], zeroed: the torch backend reads slots
+    past a sequence's end (masked out, but NaN from uninitialised memory would survive the mask)."""
     shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads // tp_size, spec.head_dim)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

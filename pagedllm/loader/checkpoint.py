@@ -27,7 +27,7 @@ class Checkpoint:
     generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
 
 
-def open_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoint:
+def open_checkpoint(model: str | None, tokenizer: str | None = None, load_tokenizer: bool = True) -> Checkpoint:
     if model is None:
         from pagedllm.loader.default_model import default_model_path
 
@@ -36,7 +36,7 @@ def open_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoi
     if path.is_file() and path.suffix == ".gguf":
         return open_gguf(path, tokenizer)
     if path.is_dir() and (path / "config.json").exists():
-        return open_hf_directory(path, tokenizer)
+        return open_hf_directory(path, tokenizer, load_tokenizer)
     if path.is_dir():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     raise ValueError(
@@ -45,12 +45,12 @@ def open_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoi
     )
 
 
-def open_hf_directory(path: Path, tokenizer: str | None) -> Checkpoint:
+def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -> Checkpoint:
     hf_config = AutoConfig.from_pretrained(path)
     return Checkpoint(
         source=str(path),
         hf_config=hf_config,
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer or path),
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer or path) if load_tokenizer else None,
         named_tensors=lambda dtype: iterate_safetensors(path, dtype),
         checkpoint_dtype=getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
         generation_config=(

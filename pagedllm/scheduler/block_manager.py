@@ -123,6 +123,14 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (held blocks stay indexed)."""
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached_block_ids.get(block.hash) == block_id:
+                del self.cached_block_ids[block.hash]
+            block.hash, block.token_ids = None, ()
+
     def check_invariants(self, holders: list[Sequence]) -> None:
         """Every block is free xor held; reference counts equal the number of block tables holding the block."""
         held: dict[int, int] = {}

@@ -1,0 +1,249 @@
+"""`pagedllm bench`: offline throughput on nano-vllm's workload, against the roofline of the same workload.
+
+Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths uniform in [100, 1024] of random
+token ids in [0, 10000); output lengths uniform in [100, 1024]; temperature 0.6; ignore_eos; max_model_len 4096.
+The model is a real checkpoint of random bf16 weights with a published model's shape, written to disk and
+loaded through the normal loader. Roofline: FLOPs over the measured bf16 matmul rate, and the bytes a decode
+step must read (weights once, plus every sequence's KV) over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "tinyllama-1.1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=2048 * 2,
+    ),
+    "llama3.2-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192), rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+
+def write_random_checkpoint(shape: str, directory: Path, device: torch.device) -> Path:
+    """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(model).__name__]
+    generator = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(param.shape, dtype=torch.bfloat16)
+        else:
+            random_values = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
+            tensors[name] = (random_values * 0.02).to(torch.bfloat16).cpu()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / "model.safetensors")
+    config.save_pretrained(directory)
+    return directory
+
+
+def nano_vllm_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_seqs)]
+    output_lens = [random.randint(100, 1024) for _ in range(num_seqs)]
+    return prompts, output_lens
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(bf16 matmul FLOP/s on random data, device copy bytes/s counting read + write), medians of 10."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    source = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
+    target = torch.empty_like(source)
+    matmul_ms = median_cuda_ms(lambda: a @ b)
+    copy_ms = median_cuda_ms(lambda: target.copy_(source))
+    return 2 * 8192**3 / (matmul_ms / 1e3), 2 * source.nbytes / (copy_ms / 1e3)
+
+
+def median_cuda_ms(function, repeats: int = 10) -> float:
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@dataclass
+class Roofline:
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def roofline(shape: str, prompts: list[list[int]], output_lens: list[int], flops: float, bandwidth: float) -> Roofline:
+    """Lower bound for the workload: prefill is compute-bound, decode reads weights once per step (all sequences
+    decode together, so steps = the longest output) plus each sequence's whole KV at every token."""
+    s = SHAPES[shape]
+    head_dim = s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
+    q_size, kv_size = s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim
+    layer_params = s["hidden_size"] * (2 * q_size + 2 * kv_size) + 3 * s["hidden_size"] * s["intermediate_size"]
+    body_params, head_params = s["num_hidden_layers"] * layer_params, s["vocab_size"] * s["hidden_size"]
+    attention_flops_per_pair = 4 * s["num_hidden_layers"] * q_size  # QK^T and PV, per (query, key) pair
+    kv_bytes_per_token = 2 * s["num_hidden_layers"] * kv_size * 2  # K and V in bf16
+
+    prompt_lens = [len(p) for p in prompts]
+    prefill_flops = 2 * body_params * sum(prompt_lens) + 2 * head_params * len(prompts)
+    prefill_flops += attention_flops_per_pair * sum(n * (n + 1) / 2 for n in prompt_lens)
+    decode_contexts = [p + i for p, out in zip(prompt_lens, output_lens) for i in range(1, out)]
+    decode_flops = 2 * (body_params + head_params) * len(decode_contexts)
+    decode_flops += attention_flops_per_pair * sum(decode_contexts)
+    weight_bytes = 2 * (body_params + head_params)
+    decode_bytes = (max(output_lens) - 1) * weight_bytes + kv_bytes_per_token * sum(decode_contexts)
+    return Roofline(prefill_flops / flops, max(decode_flops / flops, decode_bytes / bandwidth))
+
+
+@dataclass
+class RunResult:
+    total_s: float
+    prefill_s: float
+    decode_s: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.total_s
+
+
+def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    """Drive the engine step by step; a step with any prompt tokens counts as prefill time."""
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    for index, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+        engine.add_request(f"bench-{index}", {"prompt_token_ids": prompt}, params)
+    prefill_s = decode_s = 0.0
+    output_tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()  # returns after the sampled tokens reach the host: the GPU work is done
+        elapsed = time.perf_counter() - step_start
+        output_tokens += len(outputs)
+        if engine.last_step.num_prefill_tokens:
+            prefill_s += elapsed
+        else:
+            decode_s += elapsed
+    total_s = time.perf_counter() - start
+    assert output_tokens == sum(output_lens)
+    return RunResult(total_s, prefill_s, decode_s, output_tokens)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM
+
+    device = torch.device("cuda")
+    checkpoint = Path(args.checkpoint_dir) / args.shape
+    if not (checkpoint / "model.safetensors").exists():
+        write_random_checkpoint(args.shape, checkpoint, device)
+    prompts, output_lens = nano_vllm_workload(args.num_seqs)
+    start = time.perf_counter()
+    llm = LLM(
+        str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+    )  # fmt: skip
+    load_s = time.perf_counter() - start
+    timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
+    runs = [timed_run(llm, prompts, output_lens) for _ in range(args.repeats)]
+    median = sorted(runs, key=lambda run: run.total_s)[len(runs) // 2]
+    flops, bandwidth = measure_ceilings(device)
+    bound = roofline(args.shape, prompts, output_lens, flops, bandwidth)
+    result = {
+        "shape": args.shape,
+        "gpu": torch.cuda.get_device_name(device),
+        "enforce_eager": args.enforce_eager,
+        "block_size": args.block_size,
+        "num_kv_blocks": llm.llm_engine.runner.num_kv_blocks,
+        "load_s": load_s,
+        "runs": [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in runs],
+        "median": asdict(median) | {"tokens_per_s": median.tokens_per_s},
+        "matmul_tflops": flops / 1e12,
+        "copy_tb_per_s": bandwidth / 1e12,
+        "roofline": asdict(bound) | {"total_s": bound.total_s},
+        "percent_of_roofline": 100 * bound.total_s / median.total_s,
+    }
+    print_table(result)
+    return result
+
+
+def print_table(result: dict) -> None:
+    median, bound = result["median"], result["roofline"]
+    print(
+        f"\n{result['shape']} on {result['gpu']}  (graphs {'off' if result['enforce_eager'] else 'on'}, "
+        f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks, load {result['load_s']:.1f} s)"
+    )
+    print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
+    print("|---|---|---|---|---|")
+    for index, run in enumerate(result["runs"]):
+        print(
+            f"| run {index} | {run['total_s']:.2f} | {run['prefill_s']:.2f} | {run['decode_s']:.2f} "
+            f"| {run['tokens_per_s']:,.0f} |"
+        )
+    print(
+        f"| roofline | {bound['total_s']:.2f} | {bound['prefill_s']:.2f} | {bound['decode_s']:.2f} "
+        f"| {median['output_tokens'] / bound['total_s']:,.0f} |"
+    )
+    print(
+        f"median {median['tokens_per_s']:,.0f} output tok/s = {result['percent_of_roofline']:.0f}% of the roofline "
+        f"(bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
+    )
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="pagedllm bench", description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (qwen3-0.6b)")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (3)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
+    parser.add_argument("--output", help="write the result as JSON here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError("pagedllm bench measures GPU throughput and needs a CUDA GPU")
+    result = run_benchmark(args)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
