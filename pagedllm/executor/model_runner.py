@@ -87,6 +87,7 @@ class ModelRunner:
             seq.block_table = [num_blocks + seq_index]
         self.execute(ScheduledBatch(decode, [1] * len(decode)))
         self.release_all()
+        self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:

@@ -1,0 +1,91 @@
+"""The engine on a CUDA GPU (run there with `pytest -m gpu tests/gpu`): transformers agreement with the Triton
+backend, and the invariants that must survive CUDA graphs, prefix caching and chunking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import VOCAB_SIZE
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
+]
+
+PROMPT_LENGTHS = [1, 7, 16, 33, 100, 250, 400, 513]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SMALL = dict(num_kv_blocks=1024, max_num_seqs=16)  # several engines share the GPU within one test process
+
+
+def prompts(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(2, VOCAB_SIZE) for _ in range(n)]} for n in PROMPT_LENGTHS]
+
+
+def tokens(llm: LLM, batch: list[dict]) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+def reference_greedy(directory: str, dtype: torch.dtype, batch: list[dict]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda().eval()
+    results = []
+    for prompt in batch:
+        input_ids = torch.tensor([prompt["prompt_token_ids"]], device="cuda")
+        with torch.no_grad():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                max_new_tokens=NEW_TOKENS, pad_token_id=0,
+            )  # fmt: skip
+        results.append(out[0, input_ids.shape[1] :].tolist())
+    return results
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen3"])
+def test_float32_greedy_matches_transformers(tiny_model_dirs, name):
+    batch = prompts()
+    llm = LLM(tiny_model_dirs[name], dtype="float32", **SMALL)
+    assert llm.llm_engine.runner.backend.name == "triton"
+    assert tokens(llm, batch) == reference_greedy(tiny_model_dirs[name], torch.float32, batch)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen3"])
+def test_bfloat16_first_tokens_match_transformers(tiny_model_dirs, name):
+    """bf16 may flip near-ties late in a sequence; the first generated token of every prompt must agree."""
+    batch = prompts()
+    llm = LLM(tiny_model_dirs[name], dtype="bfloat16", **SMALL)
+    ours = tokens(llm, batch)
+    theirs = reference_greedy(tiny_model_dirs[name], torch.bfloat16, batch)
+    assert [t[0] for t in ours] == [t[0] for t in theirs]
+    matching = sum(a == b for a, b in zip(ours, theirs))
+    assert matching >= len(batch) - 2, f"only {matching} of {len(batch)} bf16 sequences match fully"
+
+
+@pytest.fixture(scope="module")
+def eager_baseline(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, **SMALL)
+    return tokens(llm, prompts(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(enforce_eager=False),
+        dict(enforce_eager=False, enable_prefix_caching=True),
+        dict(enforce_eager=False, max_num_seqs=3),  # graphs of sizes 1, 2, 3 only: padding and bucketing
+        dict(enforce_eager=False, max_num_batched_tokens=64),
+        dict(enforce_eager=False, max_num_batched_tokens=7, block_size=32),
+        dict(enforce_eager=False, num_kv_blocks=40, max_num_seqs=16),  # forces preemption
+    ],
+)
+def test_graphs_caching_chunking_change_nothing(tiny_model_dirs, eager_baseline, kwargs):
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="bfloat16", **({**SMALL, **kwargs}))
+    assert llm.llm_engine.runner.graphs is not None
+    assert tokens(llm, prompts(1)) == eager_baseline
+    block_manager = llm.llm_engine.block_manager
+    assert block_manager.num_free_blocks == block_manager.num_blocks
