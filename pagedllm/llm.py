@@ -46,7 +46,7 @@ class LLM:
         added = []
         try:
             for request_id, prompt, params in zip(request_ids, prompt_list, params_list):
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, stream=False)
                 added.append(request_id)
             return self.run_to_completion(request_ids, use_tqdm)
         except BaseException:

@@ -21,6 +21,8 @@ from pagedllm.scheduler.sequence import Sequence
 class Request:
     seq: Sequence
     prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool  # report every step's progress, not only the finished request
     detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
 
 
@@ -74,8 +76,10 @@ class LLMEngine:
         request_id: str,
         prompt: str | dict,
         sampling_params: SamplingParams | None = None,
+        stream: bool = True,
     ) -> None:
-        """Validate and queue one request. Raises ValueError (and queues nothing) for bad input."""
+        """Validate and queue one request. Raises ValueError (and queues nothing) for bad input.
+        stream=False: step() reports this request only when it finishes."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -85,7 +89,7 @@ class LLMEngine:
         self.validate_length(token_ids, params)
         seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
-        self.requests[request_id] = Request(seq, text, detokenizer)
+        self.requests[request_id] = Request(seq, text, list(token_ids), stream, detokenizer)
         self.scheduler.add(seq)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -133,7 +137,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that produced a token this step."""
+        """Run one scheduler step; returns an output for every streamed request that produced a token this step
+        and for every request that finished."""
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
@@ -149,7 +154,8 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if request.detokenizer is not None:
                 request.detokenizer.add(token_id)
-            outputs.append(self.make_output(request))
+            if request.stream or seq.is_finished:
+                outputs.append(self.make_output(request))
             if seq.is_finished:
                 del self.requests[seq.request_id]
                 self.runner.release(seq.request_id)
@@ -162,7 +168,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=request.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=seq.is_finished,
             num_cached_tokens=max(seq.num_cached_tokens, 0),

@@ -150,7 +150,7 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
     llm.reset_prefix_cache()
     for index, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
-        engine.add_request(f"bench-{index}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"bench-{index}", {"prompt_token_ids": prompt}, params, stream=False)
     prefill_s = decode_s = 0.0
     output_tokens = 0
     start = time.perf_counter()
@@ -158,7 +158,7 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
         step_start = time.perf_counter()
         outputs = engine.step()  # returns after the sampled tokens reach the host: the GPU work is done
         elapsed = time.perf_counter() - step_start
-        output_tokens += len(outputs)
+        output_tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
         if engine.last_step.num_prefill_tokens:
             prefill_s += elapsed
         else:
@@ -166,6 +166,33 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
     total_s = time.perf_counter() - start
     assert output_tokens == sum(output_lens)
     return RunResult(total_s, prefill_s, decode_s, output_tokens)
+
+
+def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> None:
+    """Print where a full-batch decode step spends GPU and host time (torch.profiler), for tuning."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4 * num_steps)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+    while engine.last_step.num_prefill_tokens or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(num_steps):
+            engine.step()
+    elapsed = (time.perf_counter() - start) / num_steps
+    print(f"\nprofiled decode steps: {elapsed * 1e3:.2f} ms/step (batch {len(engine.scheduler.running)})")
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -183,6 +210,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     load_s = time.perf_counter() - start
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
+    if args.profile:
+        profile_decode(llm, prompts)
     runs = [timed_run(llm, prompts, output_lens) for _ in range(args.repeats)]
     median = sorted(runs, key=lambda run: run.total_s)[len(runs) // 2]
     flops, bandwidth = measure_ceilings(device)
@@ -236,6 +265,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--profile", action="store_true", help="first print a torch.profiler table of decode steps")
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")
     return parser

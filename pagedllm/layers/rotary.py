@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.layers.compile import fuse_on_cuda
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -32,6 +34,14 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+@fuse_on_cuda
+def apply_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return rotate_neox(query, cos, sin), rotate_neox(key, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -50,5 +60,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [num_tokens, heads, head_dim], key [num_tokens, kv_heads, head_dim] rotated by their positions."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return rotate_neox(query, cos, sin), rotate_neox(key, cos, sin)
+        return apply_rotary(positions, query, key, self.cos_sin)

@@ -66,26 +66,34 @@ def test_bfloat16_first_tokens_match_transformers(tiny_model_dirs, name):
     assert matching >= len(batch) - 2, f"only {matching} of {len(batch)} bf16 sequences match fully"
 
 
-@pytest.fixture(scope="module")
-def eager_baseline(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["qwen3"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, **SMALL)
+def eager_tokens(tiny_model_dirs, dtype: str) -> list[list[int]]:
+    llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **SMALL)
     return tokens(llm, prompts(1))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("max_num_seqs", [16, 3])  # 3: graphs of sizes 1, 2, 3 only, so padding and bucketing
+def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype, max_num_seqs):
+    llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, **{**SMALL, "max_num_seqs": max_num_seqs})
+    assert llm.llm_engine.runner.graphs is not None
+    assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, dtype)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(enforce_eager=False),
-        dict(enforce_eager=False, enable_prefix_caching=True),
-        dict(enforce_eager=False, max_num_seqs=3),  # graphs of sizes 1, 2, 3 only: padding and bucketing
-        dict(enforce_eager=False, max_num_batched_tokens=64),
-        dict(enforce_eager=False, max_num_batched_tokens=7, block_size=32),
-        dict(enforce_eager=False, num_kv_blocks=40, max_num_seqs=16),  # forces preemption
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=64),
+        dict(max_num_batched_tokens=7, block_size=32),
+        dict(num_kv_blocks=40),  # forces preemption
     ],
 )
-def test_graphs_caching_chunking_change_nothing(tiny_model_dirs, eager_baseline, kwargs):
-    llm = LLM(tiny_model_dirs["qwen3"], dtype="bfloat16", **({**SMALL, **kwargs}))
-    assert llm.llm_engine.runner.graphs is not None
-    assert tokens(llm, prompts(1)) == eager_baseline
+def test_caching_chunking_preemption_change_nothing(tiny_model_dirs, kwargs):
+    """Held exact in float32: chunk boundaries change matmul shapes, and bf16 rounding of those can flip a
+    near-tie of a random tiny model (seen on the H200 with 7-token chunks)."""
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", **{**SMALL, **kwargs})
+    assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, "float32")
     block_manager = llm.llm_engine.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
+    if "num_kv_blocks" in kwargs:
+        assert llm.llm_engine.scheduler.num_preemptions > 0

@@ -1,0 +1,26 @@
+"""Fuse the small element-wise ops on CUDA with torch.compile; on CPU they run as written (no compile time).
+
+Each decorated function is a few element-wise ops that eager mode would launch as separate kernels; compiled,
+they become one Triton kernel. Shapes are dynamic so a new batch size does not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("PAGEDLLM_COMPILE", "1") != "0"
+
+
+def fuse_on_cuda(function):
+    @functools.cache
+    def compiled():  # built on first CUDA use: importing the compiler costs CPU-only runs seconds
+        return torch.compile(function, dynamic=True, fullgraph=True)
+
+    @functools.wraps(function)
+    def dispatch(x: torch.Tensor, *args):
+        return compiled()(x, *args) if ENABLED and x.is_cuda else function(x, *args)
+
+    return dispatch
