@@ -66,8 +66,9 @@ def test_bfloat16_first_tokens_match_transformers(tiny_model_dirs, name):
     assert matching >= len(batch) - 2, f"only {matching} of {len(batch)} bf16 sequences match fully"
 
 
-def eager_tokens(tiny_model_dirs, dtype: str) -> list[list[int]]:
-    llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **SMALL)
+def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16) -> list[list[int]]:
+    settings = {**SMALL, "max_num_seqs": max_num_seqs}
+    llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **settings)
     return tokens(llm, prompts(1))
 
 
@@ -76,7 +77,7 @@ def eager_tokens(tiny_model_dirs, dtype: str) -> list[list[int]]:
 def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype, max_num_seqs):
     llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, **{**SMALL, "max_num_seqs": max_num_seqs})
     assert llm.llm_engine.runner.graphs is not None
-    assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, dtype)
+    assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, dtype, max_num_seqs)
 
 
 @pytest.mark.parametrize(
