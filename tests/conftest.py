@@ -98,3 +98,18 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama_gqa_untied"]
+
+
+def capture_logits(llm) -> list[torch.Tensor]:
+    """Record every logits tensor the engine computes (rows = sequences sampled that step)."""
+    model = llm.llm_engine.runner.model
+    captured = []
+    original = model.compute_logits
+
+    def recording(hidden):
+        logits = original(hidden)
+        captured.append(logits.detach().clone())
+        return logits
+
+    model.compute_logits = recording
+    return captured

@@ -22,6 +22,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int:
+    """The smallest of the (sorted) captured sizes that holds num_seqs sequences."""
+    return batch_sizes[bisect.bisect_left(batch_sizes, num_seqs)]
+
+
 class DecodeGraphs:
     def __init__(self, model: nn.Module, buffers: StepBuffers, max_num_seqs: int, max_model_len: int):
         self.model, self.buffers, self.max_model_len = model, buffers, max_model_len
@@ -63,11 +68,6 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
-
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The captured batch size a decode step of num_seqs sequences runs at; None if too many."""
-        index = bisect.bisect_left(self.batch_sizes, num_seqs)
-        return self.batch_sizes[index] if index < len(self.batch_sizes) else None
 
     def replay(self, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()

@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
-from pagedllm.executor.cuda_graphs import DecodeGraphs
+from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, build_host_inputs, wrap_host_inputs
 from pagedllm.layers.parallel_state import tp_size
@@ -49,6 +49,7 @@ class ModelRunner:
         if device.type == "cuda":
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.table_width, device)
+        self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         self.model = build_model(spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
@@ -101,13 +102,15 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor]:
         num_seqs = len(batch.seqs)
-        graph_size = None
-        if self.graphs is not None and batch.num_tokens == num_seqs:  # a decode step
-            graph_size = self.graphs.padded_size(num_seqs)
-        host = build_host_inputs(batch, self.block_size, self.table_width, pad_to=graph_size)
+        padded_size = None
+        if self.buffers is not None and batch.num_tokens == num_seqs:
+            # A CUDA decode step runs at a graph batch size, with graphs or without: the same matmul shapes make
+            # graphs on and off give bit-identical results.
+            padded_size = padded_batch_size(self.decode_batch_sizes, num_seqs)
+        host = build_host_inputs(batch, self.block_size, self.table_width, pad_to=padded_size)
         inputs = self.buffers.upload(host) if self.buffers is not None else wrap_host_inputs(host)
-        if graph_size is not None:
-            return inputs, self.graphs.replay(graph_size)
+        if padded_size is not None and self.graphs is not None:
+            return inputs, self.graphs.replay(padded_size)
         return inputs, self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -121,6 +124,7 @@ class ModelRunner:
             generators=[self.generator_for(seq) for seq in seqs],
             default_generator=self.default_generator,
             all_greedy=all(p.temperature == 0 for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
         )
 
     def generator_for(self, seq: Sequence) -> torch.Generator | None:

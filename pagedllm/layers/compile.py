@@ -17,6 +17,8 @@ ENABLED = os.environ.get("PAGEDLLM_COMPILE", "1") != "0"
 def fuse_on_cuda(function):
     @functools.cache
     def compiled():  # built on first CUDA use: importing the compiler costs CPU-only runs seconds
+        # Every engine in a process (tests build many, with other dtypes and shapes) adds a specialisation.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         return torch.compile(function, dynamic=True, fullgraph=True)
 
     @functools.wraps(function)

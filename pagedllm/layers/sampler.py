@@ -1,7 +1,8 @@
 """Vectorised sampling: greedy, temperature, top-k and top-p for a whole batch in a few tensor ops.
 
-A row samples by the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p. Rows with their own
-seed draw E from their own generator, so their tokens do not depend on what else is in the batch.
+A row samples by the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Without top-k/top-p this
+is argmax(logits / T - log E), since softmax's normaliser is shared by the whole row: no softmax is computed.
+Rows with their own seed draw E from their own generator, so their tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.layers.compile import fuse_on_cuda
 
 
 @dataclass(slots=True)
@@ -19,6 +22,7 @@ class SamplingTensors:
     generators: list[torch.Generator | None]  # per row: its own generator (seeded request) or None
     default_generator: torch.Generator | None  # for rows without a seed of their own (the engine's seed)
     all_greedy: bool
+    any_greedy: bool
 
 
 def keep_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
@@ -37,21 +41,30 @@ def keep_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: t
 def exponential_noise(
     probs: torch.Tensor, generators: list[torch.Generator | None], default_generator: torch.Generator | None
 ) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=default_generator)
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
     return noise
 
 
+@fuse_on_cuda
+def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return (logits.float() / temperatures[:, None] - noise.log()).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """logits [batch, vocab] -> token ids [batch]."""
-    greedy_tokens = logits.argmax(dim=-1)
     if params.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
     temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
-    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-    if params.top_ks is not None or params.top_ps is not None:
+    noise = exponential_noise(logits, params.generators, params.default_generator)
+    if params.top_ks is None and params.top_ps is None:
+        sampled_tokens = exponential_race(logits, temperatures, noise)
+    else:
+        probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
         probs = keep_top_k_top_p(probs, params.top_ks, params.top_ps)
-    sampled_tokens = (probs / exponential_noise(probs, params.generators, params.default_generator)).argmax(dim=-1)
-    return torch.where(params.temperatures > 0, sampled_tokens, greedy_tokens)
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+    if not params.any_greedy:
+        return sampled_tokens
+    return torch.where(params.temperatures > 0, sampled_tokens, logits.argmax(dim=-1))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE
+from conftest import VOCAB_SIZE, capture_logits
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -55,15 +55,20 @@ def test_float32_greedy_matches_transformers(tiny_model_dirs, name):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen3"])
-def test_bfloat16_first_tokens_match_transformers(tiny_model_dirs, name):
-    """bf16 may flip near-ties late in a sequence; the first generated token of every prompt must agree."""
+def test_bfloat16_logits_and_first_tokens_match_transformers(tiny_model_dirs, name):
+    """bf16 rounding differs between implementations, so later tokens may flip at near-ties: hold the prefill
+    logits to bf16 tolerance and the first generated token of every prompt to equality."""
     batch = prompts()
     llm = LLM(tiny_model_dirs[name], dtype="bfloat16", **SMALL)
+    captured = capture_logits(llm)
     ours = tokens(llm, batch)
-    theirs = reference_greedy(tiny_model_dirs[name], torch.bfloat16, batch)
-    assert [t[0] for t in ours] == [t[0] for t in theirs]
-    matching = sum(a == b for a, b in zip(ours, theirs))
-    assert matching >= len(batch) - 2, f"only {matching} of {len(batch)} bf16 sequences match fully"
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[name], dtype=torch.bfloat16).cuda().eval()
+    for index, prompt in enumerate(batch):
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt["prompt_token_ids"]], device="cuda")).logits[0, -1].float()
+        error = (captured[0][index].float() - expected).norm() / expected.norm()
+        assert error < 2e-2, f"prompt {index}: relative logits error {error:.2e}"
+        assert ours[index][0] == expected.argmax().item()
 
 
 def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16) -> list[list[int]]:

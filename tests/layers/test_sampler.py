@@ -17,6 +17,7 @@ def tensors(temperatures, top_ps=None, top_ks=None, generators=None, seed=0) -> 
         generators=generators or [None] * rows,
         default_generator=torch.Generator().manual_seed(seed),
         all_greedy=all(t == 0 for t in temperatures),
+        any_greedy=any(t == 0 for t in temperatures),
     )
 
 

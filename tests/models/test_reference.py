@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_MODELS, VOCAB_SIZE
+from conftest import TINY_MODELS, VOCAB_SIZE, capture_logits
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -33,21 +33,6 @@ def transformers_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tens
             pad_token_id=0,
         )
     return generated[0, len(prompt) :].tolist(), last_logits
-
-
-def capture_logits(llm: LLM) -> list[torch.Tensor]:
-    """Record every logits tensor the engine computes (rows = sequences sampled that step)."""
-    model = llm.llm_engine.runner.model
-    captured = []
-    original = model.compute_logits
-
-    def recording(hidden):
-        logits = original(hidden)
-        captured.append(logits.detach().clone())
-        return logits
-
-    model.compute_logits = recording
-    return captured
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))
