@@ -71,10 +71,10 @@ def test_bfloat16_logits_and_first_tokens_match_transformers(tiny_model_dirs, na
         assert ours[index][0] == expected.argmax().item()
 
 
-def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16) -> list[list[int]]:
+def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16, batch: list[dict] | None = None):
     settings = {**SMALL, "max_num_seqs": max_num_seqs}
     llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **settings)
-    return tokens(llm, prompts(1))
+    return tokens(llm, batch or prompts(1))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -91,15 +91,22 @@ def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype, max_num_seqs):
         dict(enable_prefix_caching=True),
         dict(max_num_batched_tokens=64),
         dict(max_num_batched_tokens=7, block_size=32),
-        dict(num_kv_blocks=40),  # forces preemption
     ],
 )
-def test_caching_chunking_preemption_change_nothing(tiny_model_dirs, kwargs):
+def test_caching_chunking_change_nothing(tiny_model_dirs, kwargs):
     """Held exact in float32: chunk boundaries change matmul shapes, and bf16 rounding of those can flip a
     near-tie of a random tiny model (seen on the H200 with 7-token chunks)."""
     llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", **{**SMALL, **kwargs})
     assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, "float32")
     block_manager = llm.llm_engine.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
-    if "num_kv_blocks" in kwargs:
-        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_preemption_changes_nothing(tiny_model_dirs):
+    """Eight 15-token prompts fit one block each; their 16 new tokens need a second block that only some get."""
+    rng = random.Random(2)
+    batch = [{"prompt_token_ids": [rng.randrange(2, VOCAB_SIZE) for _ in range(15)]} for _ in range(8)]
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", **{**SMALL, "num_kv_blocks": 10})
+    assert tokens(llm, batch) == eager_tokens(tiny_model_dirs, "float32", batch=batch)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.block_manager.num_free_blocks == 10
