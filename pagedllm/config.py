@@ -30,6 +30,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")

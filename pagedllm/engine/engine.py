@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.executor.model_runner import ModelRunner
+from pagedllm.executor.model_runner import ModelRunner, SampledTokens
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -67,6 +67,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.request_counter = itertools.count()
         self.last_step = StepStats()
+        self.async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        self.in_flight: tuple[list[Sequence], SampledTokens] | None = None  # the step queued but not yet reported
 
     def next_request_id(self) -> str:
         return str(next(self.request_counter))
@@ -134,23 +136,53 @@ class LLMEngine:
             self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every streamed request that produced a token this step
-        and for every request that finished."""
-        batch = self.scheduler.schedule()
+        and for every request that finished.
+
+        With async scheduling, step N+1 is queued on the device before step N's tokens are read back, so the
+        host's bookkeeping overlaps the device's work; outputs then trail the device by one step.
+        """
+        if not self.async_scheduling:
+            batch = self.schedule()
+            if batch.is_empty():
+                return []
+            sampled = self.runner.launch(batch)
+            return self.report(self.scheduler.advance(batch), sampled)
+        if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
+            return self.resolve_in_flight()  # the next step may preempt: settle every token first
+        batch = self.schedule()
         if batch.is_empty():
-            return []
+            return self.resolve_in_flight()
+        previous = self.in_flight[1] if self.in_flight is not None else None
+        sampled = self.runner.launch(batch, previous)
+        outputs = self.resolve_in_flight()
+        sampling_seqs = self.scheduler.advance(batch)
+        self.scheduler.append_placeholders(sampling_seqs)
+        self.in_flight = (sampling_seqs, sampled)
+        return outputs
+
+    def schedule(self):
+        batch = self.scheduler.schedule()
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
         self.last_step = StepStats(batch.num_tokens - num_decode, num_decode)
-        sampled_token_ids = self.runner.execute(batch)
-        sampled_seqs = [
-            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
-        ]
-        self.scheduler.update(batch, sampled_token_ids)
+        return batch
+
+    def resolve_in_flight(self) -> list[RequestOutput]:
+        if self.in_flight is None:
+            return []
+        seqs, sampled = self.in_flight
+        self.in_flight = None
+        return self.report(seqs, sampled)
+
+    def report(self, seqs: list[Sequence], sampled: SampledTokens) -> list[RequestOutput]:
+        """Hand each sequence its sampled token (waiting for the device), apply stop rules, make outputs."""
+        live = [(seq, token) for seq, token in zip(seqs, sampled.token_ids()) if not seq.is_finished]
+        self.scheduler.append_tokens([seq for seq, _ in live], [token for _, token in live])
         outputs = []
-        for seq, token_id in zip(sampled_seqs, sampled_token_ids):
+        for seq, token_id in live:
             request = self.requests[seq.request_id]
             if request.detokenizer is not None:
                 request.detokenizer.add(token_id)

@@ -30,6 +30,27 @@ def make_attention_backend(name: str | None, device: torch.device):
     return TorchAttentionBackend()
 
 
+class SampledTokens:
+    """One step's sampled token ids: on the device at once, on the host when token_ids() is called."""
+
+    def __init__(self, device_tokens: torch.Tensor | None):
+        self.device_tokens = device_tokens
+        self.host_tokens = None
+        if device_tokens is not None and device_tokens.is_cuda:
+            self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            self.host_tokens.copy_(device_tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def token_ids(self) -> list[int]:
+        if self.device_tokens is None:
+            return []
+        if self.host_tokens is None:
+            return self.device_tokens.tolist()
+        self.copied.synchronize()
+        return self.host_tokens.tolist()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -90,17 +111,22 @@ class ModelRunner:
         self.release_all()
         self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns one sampled token id per sequence whose step reached its last token."""
-        inputs, hidden = self.forward(batch)
+        return self.launch(batch).token_ids()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: SampledTokens | None = None) -> SampledTokens:
+        """Queue one step on the device without waiting for it. Input tokens still unknown on the host
+        (PLACEHOLDER, sampled by the step in flight) are taken on the device from `previous`."""
+        inputs, hidden = self.forward(batch, previous)
         if not inputs.sampled_seq_indices:
-            return []
+            return SampledTokens(None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
         seqs = [batch.seqs[index] for index in inputs.sampled_seq_indices]
-        return sample(logits, self.sampling_tensors(seqs)).tolist()
+        return SampledTokens(sample(logits, self.sampling_tensors(seqs)))
 
-    def forward(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor]:
+    def forward(self, batch: ScheduledBatch, previous: SampledTokens | None = None) -> tuple[StepInputs, torch.Tensor]:
         num_seqs = len(batch.seqs)
         padded_size = None
         if self.buffers is not None and batch.num_tokens == num_seqs:
@@ -109,6 +135,11 @@ class ModelRunner:
             padded_size = padded_batch_size(self.decode_batch_sizes, num_seqs)
         host = build_host_inputs(batch, self.block_size, self.table_width, pad_to=padded_size)
         inputs = self.buffers.upload(host) if self.buffers is not None else wrap_host_inputs(host)
+        if len(host.placeholder_rows):
+            assert previous is not None and previous.device_tokens is not None, "placeholder without a step in flight"
+            rows = torch.from_numpy(host.placeholder_rows).to(self.device, non_blocking=True)
+            sources = torch.from_numpy(host.placeholder_sources).to(self.device, non_blocking=True)
+            inputs.input_ids.index_copy_(0, rows, previous.device_tokens.index_select(0, sources))
         if padded_size is not None and self.graphs is not None:
             return inputs, self.graphs.replay(padded_size)
         return inputs, self.model(inputs.input_ids, inputs.positions, inputs.metadata)

@@ -30,6 +30,9 @@ class HostStepInputs:
     max_query_len: int
     max_seq_len: int
     decode_only: bool
+    # Rows whose input token is a PLACEHOLDER, and where in the in-flight step's samples the real token is.
+    placeholder_rows: np.ndarray
+    placeholder_sources: np.ndarray
 
 
 @dataclass(slots=True)
@@ -69,6 +72,8 @@ def build_host_inputs(
     block_tables = block_table_array([seq.block_table for seq in seqs], width)
     slot_mapping = block_tables[token_seq, positions // block_size] * np.int64(block_size) + positions % block_size
     sampled = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+    # A pending token is its sequence's only uncomputed token, so it is that sequence's first (only) new row.
+    pending = [i for i, seq in enumerate(seqs) if seq.pending_sample_index >= 0]
     inputs = HostStepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -81,6 +86,8 @@ def build_host_inputs(
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
         decode_only=bool((num_new == 1).all()),
+        placeholder_rows=query_start_loc[pending],
+        placeholder_sources=np.array([seqs[i].pending_sample_index for i in pending], dtype=np.int64),
     )
     if pad_to is not None and pad_to > len(seqs):
         pad_decode_inputs(inputs, pad_to)

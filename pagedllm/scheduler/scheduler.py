@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.scheduler.block_manager import BlockManager
-from pagedllm.scheduler.sequence import Sequence, SequenceStatus
+from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -47,8 +47,10 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
         preempted = False
-        decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
-        chunks = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        # A sequence whose pending token already ends it (length) waits for that token instead of running on.
+        active = [seq for seq in self.running if not (seq.pending_sample_index >= 0 and self._length_exhausted(seq))]
+        decodes = [seq for seq in active if seq.num_uncomputed_tokens == 1]
+        chunks = [seq for seq in active if seq.num_uncomputed_tokens > 1]
         for seq in decodes + chunks:
             if budget == 0:
                 break
@@ -97,15 +99,30 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
         """Advance the batch's sequences; sampled_token_ids has one id per sequence whose step reached its last
         token, in batch order. Returns the sequences that finished."""
-        sampled = iter(sampled_token_ids)
-        finished = []
+        return self.append_tokens(self.advance(batch), sampled_token_ids)
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Count the step's tokens as computed and index newly full blocks; returns the sequences that sample
+        (their step reached their last token). Sequences that ended meanwhile (abort, stop) are skipped."""
+        sampling = []
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_uncomputed_tokens > 0:  # a prefill chunk that has not reached the end yet
-                continue
-            token_id = next(sampled)
-            seq.token_ids.append(token_id)
+            if seq.num_uncomputed_tokens == 0:
+                sampling.append(seq)
+        return sampling
+
+    def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Append one sampled token to each sequence (or fill its placeholder) and apply the stop rules."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.pending_sample_index >= 0:
+                seq.token_ids[-1] = token_id
+                seq.pending_sample_index = -1
+            else:
+                seq.token_ids.append(token_id)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
@@ -114,13 +131,32 @@ class Scheduler:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
 
+    def append_placeholders(self, seqs: list[Sequence]) -> None:
+        """Overlapped steps: each sampling sequence gets a PLACEHOLDER token, so the next step can be scheduled
+        before this one's tokens reach the host. Row i of the step's samples belongs to seqs[i]."""
+        for index, seq in enumerate(seqs):
+            seq.token_ids.append(PLACEHOLDER)
+            seq.pending_sample_index = index
+
+    def can_schedule_ahead(self) -> bool:
+        """True when the next step needs no preemption: every running sequence can get the blocks for its
+        largest possible share of the budget. (A preempted sequence must not hold a placeholder.)"""
+        needed = 0
+        for seq in self.running:
+            num_new_tokens = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+            total = seq.num_computed_tokens + num_new_tokens
+            needed += self.block_manager.blocks_for_tokens(total) - len(seq.block_table)
+        return needed <= self.block_manager.num_free_blocks
+
+    def _length_exhausted(self, seq: Sequence) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
+
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in seq.eos_token_ids):
             return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if self._length_exhausted(seq):
             return "length"
         return None
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
 
+# Stands in token_ids for a token that a step still running on the device has sampled but not yet reported.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -26,6 +29,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # block_table[:num_hashed_blocks] are full, computed and in the prefix cache's index
+    # >= 0 while the last token is a PLACEHOLDER: its row among the samples of the step in flight.
+    pending_sample_index: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
 
