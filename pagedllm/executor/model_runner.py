@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
-from pagedllm.executor.step_inputs import StepBuffers, StepInputs, build_host_inputs, wrap_host_inputs
+from pagedllm.executor.step_inputs import StepBuffers, build_host_inputs, wrap_host_inputs
 from pagedllm.layers.parallel_state import tp_size
 from pagedllm.layers.sampler import SamplingTensors, sample
 from pagedllm.loader.checkpoint import Checkpoint
@@ -28,6 +29,16 @@ def make_attention_backend(name: str | None, device: torch.device):
 
         return TritonAttentionBackend()
     return TorchAttentionBackend()
+
+
+def sampling_arrays(params: list[SamplingParams]) -> dict[str, np.ndarray]:
+    """Per-row sampling settings as arrays; top_ps / top_ks only when some row uses them."""
+    arrays = {"temperatures": np.array([p.temperature for p in params], dtype=np.float32)}
+    if any(p.top_p < 1.0 for p in params):
+        arrays["top_ps"] = np.array([p.top_p for p in params], dtype=np.float32)
+    if any(p.top_k > 0 for p in params):
+        arrays["top_ks"] = np.array([p.top_k for p in params], dtype=np.int64)
+    return arrays
 
 
 class SampledTokens:
@@ -119,14 +130,6 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue one step on the device without waiting for it. Input tokens still unknown on the host
         (PLACEHOLDER, sampled by the step in flight) are taken on the device from `previous`."""
-        inputs, hidden = self.forward(batch, previous)
-        if not inputs.sampled_seq_indices:
-            return SampledTokens(None)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
-        seqs = [batch.seqs[index] for index in inputs.sampled_seq_indices]
-        return SampledTokens(sample(logits, self.sampling_tensors(seqs)))
-
-    def forward(self, batch: ScheduledBatch, previous: SampledTokens | None = None) -> tuple[StepInputs, torch.Tensor]:
         num_seqs = len(batch.seqs)
         padded_size = None
         if self.buffers is not None and batch.num_tokens == num_seqs:
@@ -134,28 +137,32 @@ class ModelRunner:
             # graphs on and off give bit-identical results.
             padded_size = padded_batch_size(self.decode_batch_sizes, num_seqs)
         host = build_host_inputs(batch, self.block_size, self.table_width, pad_to=padded_size)
-        inputs = self.buffers.upload(host) if self.buffers is not None else wrap_host_inputs(host)
+        seqs = [batch.seqs[index] for index in host.sampled_seq_indices]
+        sampling = sampling_arrays([seq.sampling_params for seq in seqs])
+        inputs = self.buffers.upload(host, sampling) if self.buffers is not None else wrap_host_inputs(host, sampling)
         if len(host.placeholder_rows):
             assert previous is not None and previous.device_tokens is not None, "placeholder without a step in flight"
-            rows = torch.from_numpy(host.placeholder_rows).to(self.device, non_blocking=True)
-            sources = torch.from_numpy(host.placeholder_sources).to(self.device, non_blocking=True)
-            inputs.input_ids.index_copy_(0, rows, previous.device_tokens.index_select(0, sources))
+            placeholders = previous.device_tokens.index_select(0, inputs.placeholder_sources)
+            inputs.input_ids.index_copy_(0, inputs.placeholder_rows, placeholders)
         if padded_size is not None and self.graphs is not None:
-            return inputs, self.graphs.replay(padded_size)
-        return inputs, self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = self.graphs.replay(padded_size)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not seqs:
+            return SampledTokens(None)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        return SampledTokens(sample(logits, self.sampling_tensors(seqs, inputs.sampling)))
 
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [seq.sampling_params for seq in seqs]
-        top_ps = [p.top_p for p in params]
-        top_ks = [p.top_k for p in params]
+    def sampling_tensors(self, seqs: list[Sequence], sampling: dict[str, torch.Tensor]) -> SamplingTensors:
+        temperatures = [seq.sampling_params.temperature for seq in seqs]
         return SamplingTensors(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-            top_ps=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps, device=self.device),
-            top_ks=None if not any(top_ks) else torch.tensor(top_ks, device=self.device),
+            temperatures=sampling["temperatures"],
+            top_ps=sampling.get("top_ps"),
+            top_ks=sampling.get("top_ks"),
             generators=[self.generator_for(seq) for seq in seqs],
             default_generator=self.default_generator,
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_greedy=any(p.temperature == 0 for p in params),
+            all_greedy=all(t == 0 for t in temperatures),
+            any_greedy=any(t == 0 for t in temperatures),
         )
 
     def generator_for(self, seq: Sequence) -> torch.Generator | None:

@@ -42,6 +42,9 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor
     sampled_seq_indices: list[int]
+    placeholder_rows: torch.Tensor
+    placeholder_sources: torch.Tensor
+    sampling: dict[str, torch.Tensor]  # per sampled row: temperatures, and top_ps / top_ks where used
 
 
 def block_table_array(block_tables: list[list[int]], width: int) -> np.ndarray:
@@ -122,6 +125,11 @@ class StepBuffers:
             "seq_lens": ((max_seqs,), torch.int32),
             "block_tables": ((max_seqs, table_width), torch.int32),
             "sample_rows": ((max_seqs,), torch.int64),
+            "placeholder_rows": ((max_seqs,), torch.int64),
+            "placeholder_sources": ((max_seqs,), torch.int64),
+            "temperatures": ((max_seqs,), torch.float32),
+            "top_ps": ((max_seqs,), torch.float32),
+            "top_ks": ((max_seqs,), torch.int64),
         }
         self.device_tensors = {
             name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()
@@ -140,7 +148,8 @@ class StepBuffers:
         device.copy_(host, non_blocking=True)
         return device
 
-    def upload(self, inputs: HostStepInputs) -> StepInputs:
+    def upload(self, inputs: HostStepInputs, sampling: dict[str, np.ndarray]) -> StepInputs:
+        """Every copy goes from pinned memory, so none of them waits for the device to finish earlier steps."""
         self.uploads_done.synchronize()
         metadata = AttentionMetadata(
             slot_mapping=self.upload_array("slot_mapping", inputs.slot_mapping),
@@ -157,12 +166,15 @@ class StepBuffers:
             metadata=metadata,
             sample_rows=self.upload_array("sample_rows", inputs.sample_rows),
             sampled_seq_indices=inputs.sampled_seq_indices,
+            placeholder_rows=self.upload_array("placeholder_rows", inputs.placeholder_rows),
+            placeholder_sources=self.upload_array("placeholder_sources", inputs.placeholder_sources),
+            sampling={name: self.upload_array(name, array) for name, array in sampling.items()},
         )
         self.uploads_done.record()
         return step_inputs
 
 
-def wrap_host_inputs(inputs: HostStepInputs) -> StepInputs:
+def wrap_host_inputs(inputs: HostStepInputs, sampling: dict[str, np.ndarray]) -> StepInputs:
     """CPU: the tensors share memory with the numpy arrays."""
     metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(inputs.slot_mapping),
@@ -179,4 +191,7 @@ def wrap_host_inputs(inputs: HostStepInputs) -> StepInputs:
         metadata=metadata,
         sample_rows=torch.from_numpy(inputs.sample_rows),
         sampled_seq_indices=inputs.sampled_seq_indices,
+        placeholder_rows=torch.from_numpy(inputs.placeholder_rows),
+        placeholder_sources=torch.from_numpy(inputs.placeholder_sources),
+        sampling={name: torch.from_numpy(array) for name, array in sampling.items()},
     )
