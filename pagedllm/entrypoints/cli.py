@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-DEFAULT_THREADS = 1  # see README "CPU threads": 2 threads on a shared 2-core machine collapse under load
+
+def default_threads() -> int:
+    """All cores but one: a busy neighbour then slows us down instead of stalling every parallel op (README,
+    "CPU threads": on 2 cores with one busy, 2 threads took 1.5x as long as 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+DEFAULT_THREADS = default_threads()
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +26,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
-    group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=f"CPU threads ({DEFAULT_THREADS})")
+    threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
+    group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
 
 
 def build_parser() -> argparse.ArgumentParser:

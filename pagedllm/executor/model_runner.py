@@ -14,6 +14,7 @@ from pagedllm.layers.parallel_state import tp_size
 from pagedllm.layers.sampler import SamplingTensors, sample
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.weights import load_weights
+from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.sampling_params import SamplingParams
@@ -91,6 +92,11 @@ class ModelRunner:
         block_bytes = kv_block_bytes(spec, config.block_size, dtype, tp_size())
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; attention backend %s",
+            self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
+            self.num_kv_blocks * block_bytes / 2**30, device, self.backend.name,
+        )  # fmt: skip
         if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
             self.graphs.capture()
