@@ -52,6 +52,7 @@ TINY_MODELS = {
     ),
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
     "qwen2_bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)),
 }
 
 

@@ -63,3 +63,12 @@ def test_missing_model_path():
     result = pagedllm("generate", "hello", "--model", "/nonexistent/model")
     assert result.returncode == 2
     assert "pagedllm: error: model '/nonexistent/model' is neither" in result.stderr
+
+
+def test_interactive_chat_keeps_the_conversation():
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--max-tokens", "24"]
+    questions = "What is the capital of France?\nAnd of Germany?\n\n"
+    result = subprocess.run(command, input=questions, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout and "Berlin" in result.stdout
+    assert result.stdout.count("> ") == 3  # two questions answered, then the empty line ends the chat

@@ -4,6 +4,7 @@ greedy tokens equal generate(do_sample=False), last-position logits equal within
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +52,19 @@ def test_matches_transformers(tiny_model_dirs, name):
         assert output.outputs[0].token_ids == expected_tokens, f"prompt of {len(prompt)} tokens"
         error = (first_step_logits[index] - expected_logits).norm() / expected_logits.norm()
         assert error < 1e-4, f"prompt of {len(prompt)} tokens: relative logits error {error:.2e}"
+
+
+def test_sharded_checkpoint_loads_like_one_file(tiny_model_dirs, tmp_path):
+    """model.safetensors.index.json with several shards gives the same model as the single file."""
+    directory = tiny_model_dirs["llama_gqa_untied"]
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((Path(directory) / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts()[:3]]
+    one_file = LLM(directory).generate(prompts, params, use_tqdm=False)
+    shards = LLM(str(sharded)).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in shards] == [o.outputs[0].token_ids for o in one_file]
