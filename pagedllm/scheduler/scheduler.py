@@ -90,6 +90,7 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence) -> None:
+        assert seq.pending_sample_index < 0, "a sequence is preempted only once its tokens are all known"
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
