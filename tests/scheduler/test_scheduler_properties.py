@@ -96,3 +96,72 @@ def test_prefix_hit_reuses_freed_blocks_and_skips_collisions():
     assert block_manager.find_cached_prefix(second) == [0, 1]  # two full blocks of the first request
     block_manager.blocks[1].token_ids = (7, 7, 7, 7)  # as if the hash of block 1 collided with other tokens
     assert block_manager.find_cached_prefix(second) == [0]
+
+
+class OverlappedSteps:
+    """The engine's async protocol at the scheduler level: step N+1 is scheduled while step N's tokens are
+    placeholders; they are filled in one step later; no scheduling ahead when a preemption could be needed."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.in_flight: list[Sequence] | None = None
+
+    def resolve(self, token: int) -> None:
+        if self.in_flight is not None:
+            live = [seq for seq in self.in_flight if not seq.is_finished]
+            self.scheduler.append_tokens(live, [token] * len(live))
+            self.in_flight = None
+
+    def step(self, token: int) -> None:
+        if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
+            self.resolve(token)
+            return
+        batch = self.scheduler.schedule()
+        assert batch.num_tokens <= self.scheduler.max_num_batched_tokens
+        self.resolve(token)
+        if not batch.is_empty():
+            sampling = self.scheduler.advance(batch)
+            self.scheduler.append_placeholders(sampling)
+            self.in_flight = sampling
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    operations=st.lists(operation, max_size=60),
+    num_blocks=st.integers(6, 24),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 8),
+)
+def test_overlapped_steps_keep_invariants(operations, num_blocks, budget, max_num_seqs):
+    block_manager = BlockManager(num_blocks, BLOCK_SIZE)
+    scheduler = Scheduler(block_manager, max_num_seqs, budget, MAX_MODEL_LEN)
+    steps = OverlappedSteps(scheduler)
+    all_seqs: list[Sequence] = []
+    for op in operations:
+        if op[0] == "add":
+            _, prompt, max_tokens = op
+            if block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN)) <= num_blocks:
+                seq = Sequence(str(len(all_seqs)), list(prompt), SamplingParams(max_tokens=max_tokens))
+                all_seqs.append(seq)
+                scheduler.add(seq)
+        elif op[0] == "step":
+            steps.step(token=op[1])
+        elif all_seqs:
+            scheduler.abort(all_seqs[op[1] % len(all_seqs)].request_id)
+        check(scheduler, all_seqs)
+    for _ in range(2000):
+        if not steps.busy():
+            break
+        steps.step(token=0)
+        check(scheduler, all_seqs)
+    assert not steps.busy()
+    assert block_manager.num_free_blocks == num_blocks
+    for seq in all_seqs:  # every sequence that was not aborted ended with real tokens, within its limits
+        if seq.finish_reason == "abort":
+            continue
+        assert -1 not in seq.token_ids
+        if seq.finish_reason == "length":
+            assert seq.num_output_tokens == seq.sampling_params.max_tokens or seq.num_tokens == MAX_MODEL_LEN
