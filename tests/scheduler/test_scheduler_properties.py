@@ -51,6 +51,37 @@ def run_step(scheduler: Scheduler, sampled_token: int) -> None:
     scheduler.update(batch, [sampled_token] * num_sampled)
 
 
+def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
+    """Apply add / step / abort operations, checking the invariants after each, then drain: everything still
+    queued must finish (no request starves or hangs) and every block must come back."""
+    block_manager = scheduler.block_manager
+    all_seqs: list[Sequence] = []
+    for op in operations:
+        if op[0] == "add":
+            _, prompt, max_tokens = op
+            # the engine rejects requests that could never fit; mirror that rule here
+            if (
+                block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN))
+                <= block_manager.num_blocks
+            ):
+                seq = Sequence(str(len(all_seqs)), list(prompt), SamplingParams(max_tokens=max_tokens))
+                all_seqs.append(seq)
+                scheduler.add(seq)
+        elif op[0] == "step":
+            step(op[1])
+        elif all_seqs:
+            scheduler.abort(all_seqs[op[1] % len(all_seqs)].request_id)
+        check(scheduler, all_seqs)
+    for _ in range(2000):
+        if not busy():
+            break
+        step(0)
+        check(scheduler, all_seqs)
+    assert not busy()
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+    return all_seqs
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     operations=st.lists(operation, max_size=60),
@@ -60,29 +91,8 @@ def run_step(scheduler: Scheduler, sampled_token: int) -> None:
     prefix_caching=st.booleans(),
 )
 def test_random_operations_keep_invariants(operations, num_blocks, budget, max_num_seqs, prefix_caching):
-    block_manager = BlockManager(num_blocks, BLOCK_SIZE, prefix_caching)
-    scheduler = Scheduler(block_manager, max_num_seqs, budget, MAX_MODEL_LEN)
-    all_seqs: list[Sequence] = []
-    for op in operations:
-        if op[0] == "add":
-            _, prompt, max_tokens = op
-            # the engine rejects requests that could never fit; mirror that rule here
-            if block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN)) <= num_blocks:
-                seq = Sequence(str(len(all_seqs)), list(prompt), SamplingParams(max_tokens=max_tokens))
-                all_seqs.append(seq)
-                scheduler.add(seq)
-        elif op[0] == "step":
-            run_step(scheduler, sampled_token=op[1])
-        elif all_seqs:
-            scheduler.abort(all_seqs[op[1] % len(all_seqs)].request_id)
-        check(scheduler, all_seqs)
-    for _ in range(2000):  # everything still queued must finish: no request starves or hangs
-        if not scheduler.has_unfinished():
-            break
-        run_step(scheduler, sampled_token=0)
-        check(scheduler, all_seqs)
-    assert not scheduler.has_unfinished()
-    assert block_manager.num_free_blocks == num_blocks
+    scheduler = Scheduler(BlockManager(num_blocks, BLOCK_SIZE, prefix_caching), max_num_seqs, budget, MAX_MODEL_LEN)
+    run_program(operations, scheduler, lambda token: run_step(scheduler, token), scheduler.has_unfinished)
 
 
 def test_prefix_hit_reuses_freed_blocks_and_skips_collisions():
@@ -136,29 +146,9 @@ class OverlappedSteps:
     max_num_seqs=st.integers(1, 8),
 )
 def test_overlapped_steps_keep_invariants(operations, num_blocks, budget, max_num_seqs):
-    block_manager = BlockManager(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(block_manager, max_num_seqs, budget, MAX_MODEL_LEN)
+    scheduler = Scheduler(BlockManager(num_blocks, BLOCK_SIZE), max_num_seqs, budget, MAX_MODEL_LEN)
     steps = OverlappedSteps(scheduler)
-    all_seqs: list[Sequence] = []
-    for op in operations:
-        if op[0] == "add":
-            _, prompt, max_tokens = op
-            if block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN)) <= num_blocks:
-                seq = Sequence(str(len(all_seqs)), list(prompt), SamplingParams(max_tokens=max_tokens))
-                all_seqs.append(seq)
-                scheduler.add(seq)
-        elif op[0] == "step":
-            steps.step(token=op[1])
-        elif all_seqs:
-            scheduler.abort(all_seqs[op[1] % len(all_seqs)].request_id)
-        check(scheduler, all_seqs)
-    for _ in range(2000):
-        if not steps.busy():
-            break
-        steps.step(token=0)
-        check(scheduler, all_seqs)
-    assert not steps.busy()
-    assert block_manager.num_free_blocks == num_blocks
+    all_seqs = run_program(operations, scheduler, steps.step, steps.busy)
     for seq in all_seqs:  # every sequence that was not aborted ended with real tokens, within its limits
         if seq.finish_reason == "abort":
             continue
