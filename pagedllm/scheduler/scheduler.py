@@ -97,11 +97,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the batch's sequences; sampled_token_ids has one id per sequence whose step reached its last
-        token, in batch order. Returns the sequences that finished."""
-        return self.append_tokens(self.advance(batch), sampled_token_ids)
-
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Count the step's tokens as computed and index newly full blocks; returns the sequences that sample
         (their step reached their last token). Sequences that ended meanwhile (abort, stop) are skipped."""

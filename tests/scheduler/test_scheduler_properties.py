@@ -48,7 +48,8 @@ def run_step(scheduler: Scheduler, sampled_token: int) -> None:
         assert 1 <= num_new_tokens <= seq.num_uncomputed_tokens
         assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens + num_new_tokens
     num_sampled = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
-    scheduler.update(batch, [sampled_token] * num_sampled)
+    # the engine's synchronous step: advance, then hand each sampling sequence its token
+    scheduler.append_tokens(scheduler.advance(batch), [sampled_token] * num_sampled)
 
 
 def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
