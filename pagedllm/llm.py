@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
+from pagedllm.engine.step_pipeline import StepRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -85,23 +85,43 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_rate = decode_rate = 0.0
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - start
-            stats = engine.last_step
-            if stats.num_decode_tokens:
-                decode_rate = stats.num_decode_tokens / elapsed
-            if stats.num_prefill_tokens:
-                prefill_rate = stats.num_prefill_tokens / elapsed
-            progress.set_postfix_str(f"prefill {prefill_rate:.0f} tok/s, decode {decode_rate:.0f} tok/s", refresh=False)
-            for output in outputs:
-                if output.finished:
-                    finished[output.request_id] = output
-                    progress.update(1)
-        progress.close()
+        rates = StepRates()
+        if use_tqdm:
+            engine.add_step_listener(rates.add)
+        try:
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                progress.set_postfix_str(rates.describe(), refresh=False)
+                for output in outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        finally:
+            if use_tqdm:
+                engine.remove_step_listener(rates.add)
+            progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+class StepRates:
+    """Prefill and decode tokens per second of the latest steps, from the engine's step records: a step lasts
+    from the previous step's tokens reaching the host to its own (the device's pace, also when steps overlap)."""
+
+    def __init__(self):
+        self.previous_resolved_at: float | None = None
+        self.prefill = self.decode = 0.0
+
+    def add(self, record: StepRecord) -> None:
+        start = self.previous_resolved_at if self.previous_resolved_at is not None else record.scheduled_at
+        elapsed = max(record.resolved_at - start, 1e-9)
+        self.previous_resolved_at = record.resolved_at
+        if record.num_decode_tokens:
+            self.decode = record.num_decode_tokens / elapsed
+        if record.num_prefill_tokens:
+            self.prefill = record.num_prefill_tokens / elapsed
+
+    def describe(self) -> str:
+        return f"prefill {self.prefill:.0f} tok/s, decode {self.decode:.0f} tok/s"
 
 
 def per_prompt_params(

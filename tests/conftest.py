@@ -103,7 +103,7 @@ def llama_dir(tiny_model_dirs) -> str:
 
 def capture_logits(llm) -> list[torch.Tensor]:
     """Record every logits tensor the engine computes (rows = sequences sampled that step)."""
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.worker.model
     captured = []
     original = model.compute_logits
 

@@ -1,13 +1,15 @@
-"""LLMEngine: add requests, step the scheduler and model runner, and turn finished work into RequestOutputs."""
+"""LLMEngine: add requests, step the scheduler and the worker, and turn finished work into RequestOutputs."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.executor.model_runner import ModelRunner, SampledTokens
+from pagedllm.engine.step_pipeline import StepPipeline, StepRecord
+from pagedllm.executor.worker import Worker
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -24,12 +26,6 @@ class Request:
     prompt_token_ids: list[int]
     stream: bool  # report every step's progress, not only the finished request
     detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
-
-
-@dataclass(slots=True)
-class StepStats:
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
 
 
 def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
@@ -58,17 +54,26 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, checkpoint.checkpoint_dtype)
-        self.runner = ModelRunner(config, checkpoint, self.spec, self.max_model_len, device, dtype)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.worker = Worker(config, self.max_model_len, device, dtype, checkpoint)
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.eos_token_ids = eos_token_ids(checkpoint.hf_config, self.tokenizer, checkpoint.generation_config)
         self.requests: dict[str, Request] = {}
         self.request_counter = itertools.count()
-        self.last_step = StepStats()
         self.async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
-        self.in_flight: tuple[list[Sequence], SampledTokens] | None = None  # the step queued but not yet reported
+        self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling)
+        # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
+        """device_timings: records carry CUDA events around each step's device work (costs a few events a step)."""
+        self.step_listeners.append(listener)
+        self.worker.record_events |= device_timings
+
+    def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        self.step_listeners.remove(listener)
 
     def next_request_id(self) -> str:
         return str(next(self.request_counter))
@@ -133,10 +138,10 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
-            self.runner.release(request_id)
+            self.pipeline.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.pipeline.has_work()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every streamed request that produced a token this step
@@ -145,44 +150,9 @@ class LLMEngine:
         With async scheduling, step N+1 is queued on the device before step N's tokens are read back, so the
         host's bookkeeping overlaps the device's work; outputs then trail the device by one step.
         """
-        if not self.async_scheduling:
-            batch = self.schedule()
-            if batch.is_empty():
-                return []
-            sampled = self.runner.launch(batch)
-            return self.report(self.scheduler.advance(batch), sampled)
-        if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
-            return self.resolve_in_flight()  # the next step may preempt: settle every token first
-        batch = self.schedule()
-        if batch.is_empty():
-            return self.resolve_in_flight()
-        previous = self.in_flight[1] if self.in_flight is not None else None
-        sampled = self.runner.launch(batch, previous)
-        outputs = self.resolve_in_flight()
-        sampling_seqs = self.scheduler.advance(batch)
-        self.scheduler.append_placeholders(sampling_seqs)
-        self.in_flight = (sampling_seqs, sampled)
-        return outputs
-
-    def schedule(self):
-        batch = self.scheduler.schedule()
-        num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
-        self.last_step = StepStats(batch.num_tokens - num_decode, num_decode)
-        return batch
-
-    def resolve_in_flight(self) -> list[RequestOutput]:
-        if self.in_flight is None:
-            return []
-        seqs, sampled = self.in_flight
-        self.in_flight = None
-        return self.report(seqs, sampled)
-
-    def report(self, seqs: list[Sequence], sampled: SampledTokens) -> list[RequestOutput]:
-        """Hand each sequence its sampled token (waiting for the device), apply stop rules, make outputs."""
-        live = [(seq, token) for seq, token in zip(seqs, sampled.token_ids()) if not seq.is_finished]
-        self.scheduler.append_tokens([seq for seq, _ in live], [token for _, token in live])
+        record, resolved = self.pipeline.step()
         outputs = []
-        for seq, token_id in live:
+        for seq, token_id in resolved:
             request = self.requests[seq.request_id]
             if request.detokenizer is not None:
                 request.detokenizer.add(token_id)
@@ -190,7 +160,10 @@ class LLMEngine:
                 outputs.append(self.make_output(request))
             if seq.is_finished:
                 del self.requests[seq.request_id]
-                self.runner.release(seq.request_id)
+                self.pipeline.forget(seq.request_id)
+        if record is not None:
+            for listener in self.step_listeners:
+                listener(record)
         return outputs
 
     def make_output(self, request: Request) -> RequestOutput:

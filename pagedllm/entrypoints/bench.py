@@ -142,8 +142,24 @@ class RunResult:
         return self.output_tokens / self.total_s
 
 
+class PhaseTimer:
+    """Sums step durations from the engine's step records: a step lasts from the previous step's tokens reaching
+    the host to its own; a step with any prompt tokens counts as prefill time."""
+
+    def __init__(self, start: float):
+        self.previous_resolved_at = start
+        self.prefill_s = self.decode_s = 0.0
+
+    def add(self, record) -> None:
+        elapsed = record.resolved_at - self.previous_resolved_at
+        self.previous_resolved_at = record.resolved_at
+        if record.num_prefill_tokens:
+            self.prefill_s += elapsed
+        else:
+            self.decode_s += elapsed
+
+
 def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
-    """Drive the engine step by step; a step with any prompt tokens counts as prefill time."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
@@ -151,21 +167,17 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
     for index, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
         engine.add_request(f"bench-{index}", {"prompt_token_ids": prompt}, params, stream=False)
-    prefill_s = decode_s = 0.0
     output_tokens = 0
     start = time.perf_counter()
+    timer = PhaseTimer(start)
+    engine.add_step_listener(timer.add)
     while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()  # returns after the sampled tokens reach the host: the GPU work is done
-        elapsed = time.perf_counter() - step_start
+        outputs = engine.step()
         output_tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
-        if engine.last_step.num_prefill_tokens:
-            prefill_s += elapsed
-        else:
-            decode_s += elapsed
     total_s = time.perf_counter() - start
+    engine.remove_step_listener(timer.add)
     assert output_tokens == sum(output_lens)
-    return RunResult(total_s, prefill_s, decode_s, output_tokens)
+    return RunResult(total_s, timer.prefill_s, timer.decode_s, output_tokens)
 
 
 def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> None:
@@ -179,7 +191,7 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4 * num_steps)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"profile-{index}", {"prompt_token_ids": prompt}, params, stream=False)
-    while engine.last_step.num_prefill_tokens or engine.scheduler.waiting:
+    while engine.scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running):
         engine.step()
     engine.step()
     torch.cuda.synchronize()
@@ -221,7 +233,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name(device),
         "enforce_eager": args.enforce_eager,
         "block_size": args.block_size,
-        "num_kv_blocks": llm.llm_engine.runner.num_kv_blocks,
+        "num_kv_blocks": llm.llm_engine.worker.num_kv_blocks,
         "load_s": load_s,
         "runs": [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in runs],
         "median": asdict(median) | {"tokens_per_s": median.tokens_per_s},

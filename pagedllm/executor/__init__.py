@@ -1,1 +1,1 @@
-"""Tensors, devices and ranks: the model runner, its KV cache, step inputs and CUDA graphs."""
+"""Tensors, devices and ranks: the Worker (StepPlan in, StepOutput out), its KV cache, step buffers and CUDA graphs."""

@@ -37,28 +37,29 @@ class DecodeGraphs:
         self.hidden = torch.empty(max_num_seqs, model.spec.hidden_size, dtype=dtype, device=buffers.device)
 
     def decode_metadata(self, batch_size: int) -> AttentionMetadata:
-        tensors = self.buffers.device_tensors
+        buffers = self.buffers
         return AttentionMetadata(
-            slot_mapping=tensors["slot_mapping"][:batch_size],
-            query_start_loc=tensors["query_start_loc"][: batch_size + 1],
-            seq_lens=tensors["seq_lens"][:batch_size],
-            block_tables=tensors["block_tables"][:batch_size],
+            slot_mapping=buffers.slot_mapping.device[:batch_size],
+            query_start_loc=buffers.query_start_loc.device[: batch_size + 1],
+            seq_lens=buffers.seq_lens.device[:batch_size],
+            block_tables=buffers.block_tables.device[:batch_size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
             decode_only=True,
         )
 
     def forward(self, batch_size: int) -> torch.Tensor:
-        tensors = self.buffers.device_tensors
         metadata = self.decode_metadata(batch_size)
-        return self.model(tensors["input_ids"][:batch_size], tensors["positions"][:batch_size], metadata)
+        input_ids, positions = self.buffers.input_ids.device[:batch_size], self.buffers.positions.device[:batch_size]
+        return self.model(input_ids, positions, metadata)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        tensors = self.buffers.device_tensors
-        tensors["seq_lens"].zero_()  # every row is padding while capturing: nothing is read or stored
-        tensors["slot_mapping"].fill_(-1)
-        tensors["query_start_loc"].copy_(torch.arange(len(tensors["query_start_loc"]), dtype=torch.int32))
+        buffers = self.buffers
+        buffers.seq_lens.device.zero_()  # every row is padding while capturing: nothing is read or stored
+        buffers.slot_mapping.device.fill_(-1)
+        query_start_loc = buffers.query_start_loc.device
+        query_start_loc.copy_(torch.arange(len(query_start_loc), dtype=torch.int32))
         pool = None
         for batch_size in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.forward(batch_size)  # warm-up: compiles kernels outside the capture

@@ -97,18 +97,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Count the step's tokens as computed and index newly full blocks; returns the sequences that sample
-        (their step reached their last token). Sequences that ended meanwhile (abort, stop) are skipped."""
-        sampling = []
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count the step's tokens as computed and index newly full blocks. Sequences that ended since the step was
+        scheduled (abort, stop) are skipped."""
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_uncomputed_tokens == 0:
-                sampling.append(seq)
-        return sampling
 
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append one sampled token to each sequence (or fill its placeholder) and apply the stop rules."""
@@ -129,8 +125,11 @@ class Scheduler:
 
     def append_placeholders(self, seqs: list[Sequence]) -> None:
         """Overlapped steps: each sampling sequence gets a PLACEHOLDER token, so the next step can be scheduled
-        before this one's tokens reach the host. Row i of the step's samples belongs to seqs[i]."""
+        before this one's tokens reach the host. Row i of the step's samples belongs to seqs[i], also when seqs[i]
+        ended meanwhile (it then gets no placeholder, but keeps its row)."""
         for index, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue
             seq.token_ids.append(PLACEHOLDER)
             seq.pending_sample_index = index
 

@@ -128,7 +128,7 @@ def test_async_scheduling_stops_and_aborts_in_flight(llama_dir, prompts, baselin
         engine.add_request(f"a{index}", prompt, GREEDY)
     engine.step()
     engine.step()
-    assert engine.in_flight is not None
+    assert engine.pipeline.in_flight is not None
     engine.abort_request("a0")
     engine.abort_request("a3")
     finished = {}

@@ -50,7 +50,7 @@ def reference_greedy(directory: str, dtype: torch.dtype, batch: list[dict]) -> l
 def test_float32_greedy_matches_transformers(tiny_model_dirs, name):
     batch = prompts()
     llm = LLM(tiny_model_dirs[name], dtype="float32", **SMALL)
-    assert llm.llm_engine.runner.backend.name == "triton"
+    assert llm.llm_engine.worker.backend.name == "triton"
     assert tokens(llm, batch) == reference_greedy(tiny_model_dirs[name], torch.float32, batch)
 
 
@@ -81,7 +81,7 @@ def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16, batch: lis
 @pytest.mark.parametrize("max_num_seqs", [16, 3])  # 3: graphs of sizes 1, 2, 3 only, so padding and bucketing
 def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype, max_num_seqs):
     llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, **{**SMALL, "max_num_seqs": max_num_seqs})
-    assert llm.llm_engine.runner.graphs is not None
+    assert llm.llm_engine.worker.graphs is not None
     assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, dtype, max_num_seqs)
 
 

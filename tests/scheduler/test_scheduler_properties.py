@@ -1,22 +1,28 @@
-"""Property-based tests: random add / step / abort sequences keep the scheduler's and block manager's invariants."""
+"""Property-based tests: random add / step / abort programs, run through the engine's own step protocol
+(StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants."""
 
 from __future__ import annotations
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.engine.step_pipeline import StepPipeline
+from pagedllm.executor.step_output import StepOutput
+from pagedllm.executor.step_plan import StepPlan
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
-from pagedllm.scheduler.sequence import Sequence, SequenceStatus
+from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 48
+MAX_BUDGET = 24
 
 # prompts drawn from a tiny alphabet with shared starts, so prefix-cache hits and hash chains are exercised
 prompt_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=30)
 operation = st.one_of(
-    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12)),
+    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12), st.booleans()),
     st.tuples(st.just("step"), st.integers(0, 5)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
 )
@@ -38,18 +44,41 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
     for seq in all_seqs:
         if seq.is_finished:
             assert not seq.block_table
+        outputs = seq.output_token_ids
+        if outputs and outputs[-1] == PLACEHOLDER:
+            assert seq.pending_sample_index >= 0 and seq.finish_reason in (None, "abort")
+            outputs = outputs[:-1]
+        assert set(outputs) <= {int(seq.request_id)}, f"request {seq.request_id} got another's tokens: {outputs}"
 
 
-def run_step(scheduler: Scheduler, sampled_token: int) -> None:
-    batch = scheduler.schedule()
-    assert batch.num_tokens <= scheduler.max_num_batched_tokens
-    assert len(set(map(id, batch.seqs))) == len(batch.seqs)
-    for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-        assert 1 <= num_new_tokens <= seq.num_uncomputed_tokens
-        assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens + num_new_tokens
-    num_sampled = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
-    # the engine's synchronous step: advance, then hand each sampling sequence its token
-    scheduler.append_tokens(scheduler.advance(batch), [sampled_token] * num_sampled)
+class FakeWorker:
+    """Stands in for the device: each sampled row gets its request's signature token (the request id as an int), so
+    a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder input is
+    filled from a row of the step in flight, and only there."""
+
+    table_width = None
+
+    def execute(self, plan: StepPlan, previous: StepOutput | None) -> StepOutput:
+        placeholder_rows = set(plan.placeholder_rows.tolist())
+        assert placeholder_rows == {row for row, token in enumerate(plan.input_ids) if token == PLACEHOLDER}
+        if placeholder_rows:
+            assert previous is not None
+            assert all(0 <= source < len(previous.token_ids()) for source in plan.placeholder_sources)
+        assert plan.num_tokens <= MAX_BUDGET
+        signatures = [int(request_id) for request_id in plan.sampling.request_ids]
+        return StepOutput(plan.step_id, torch.tensor(signatures, dtype=torch.int64))
+
+
+def make_pipeline(scheduler: Scheduler, overlap: bool) -> tuple[StepPipeline, FakeWorker]:
+    worker = FakeWorker()
+    return StepPipeline(scheduler, worker, overlap), worker
+
+
+def pipeline_stepper(pipeline: StepPipeline):
+    def step(_: int) -> None:
+        pipeline.step()
+
+    return step
 
 
 def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
@@ -59,13 +88,15 @@ def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
     all_seqs: list[Sequence] = []
     for op in operations:
         if op[0] == "add":
-            _, prompt, max_tokens = op
+            _, prompt, max_tokens, stops = op
             # the engine rejects requests that could never fit; mirror that rule here
             if (
                 block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN))
                 <= block_manager.num_blocks
             ):
-                seq = Sequence(str(len(all_seqs)), list(prompt), SamplingParams(max_tokens=max_tokens))
+                signature = len(all_seqs)  # the fake worker samples this token for this request: a stop when asked
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[signature] if stops else [])
+                seq = Sequence(str(signature), list(prompt), params)
                 all_seqs.append(seq)
                 scheduler.add(seq)
         elif op[0] == "step":
@@ -87,69 +118,41 @@ def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
 @given(
     operations=st.lists(operation, max_size=60),
     num_blocks=st.integers(6, 24),
-    budget=st.integers(1, 24),
+    budget=st.integers(1, MAX_BUDGET),
     max_num_seqs=st.integers(1, 8),
     prefix_caching=st.booleans(),
 )
 def test_random_operations_keep_invariants(operations, num_blocks, budget, max_num_seqs, prefix_caching):
     scheduler = Scheduler(BlockManager(num_blocks, BLOCK_SIZE, prefix_caching), max_num_seqs, budget, MAX_MODEL_LEN)
-    run_program(operations, scheduler, lambda token: run_step(scheduler, token), scheduler.has_unfinished)
+    pipeline, _ = make_pipeline(scheduler, overlap=False)
+    run_program(operations, scheduler, pipeline_stepper(pipeline), pipeline.has_work)
 
 
 def test_prefix_hit_reuses_freed_blocks_and_skips_collisions():
     block_manager = BlockManager(8, BLOCK_SIZE)
     scheduler = Scheduler(block_manager, 4, 64, MAX_MODEL_LEN)
-    first = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
+    first = Sequence("0", list(range(10)), SamplingParams(max_tokens=1))
     scheduler.add(first)
-    run_step(scheduler, 0)
+    pipeline, _ = make_pipeline(scheduler, overlap=False)
+    pipeline.step()
     assert first.is_finished and block_manager.num_free_blocks == 8
-    second = Sequence("b", list(range(9)) + [99], SamplingParams(max_tokens=1))
+    second = Sequence("1", list(range(9)) + [99], SamplingParams(max_tokens=1))
     assert block_manager.find_cached_prefix(second) == [0, 1]  # two full blocks of the first request
     block_manager.blocks[1].token_ids = (7, 7, 7, 7)  # as if the hash of block 1 collided with other tokens
     assert block_manager.find_cached_prefix(second) == [0]
-
-
-class OverlappedSteps:
-    """The engine's async protocol at the scheduler level: step N+1 is scheduled while step N's tokens are
-    placeholders; they are filled in one step later; no scheduling ahead when a preemption could be needed."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
-        self.in_flight: list[Sequence] | None = None
-
-    def resolve(self, token: int) -> None:
-        if self.in_flight is not None:
-            live = [seq for seq in self.in_flight if not seq.is_finished]
-            self.scheduler.append_tokens(live, [token] * len(live))
-            self.in_flight = None
-
-    def step(self, token: int) -> None:
-        if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
-            self.resolve(token)
-            return
-        batch = self.scheduler.schedule()
-        assert batch.num_tokens <= self.scheduler.max_num_batched_tokens
-        self.resolve(token)
-        if not batch.is_empty():
-            sampling = self.scheduler.advance(batch)
-            self.scheduler.append_placeholders(sampling)
-            self.in_flight = sampling
-
-    def busy(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     operations=st.lists(operation, max_size=60),
     num_blocks=st.integers(6, 24),
-    budget=st.integers(1, 24),
+    budget=st.integers(1, MAX_BUDGET),
     max_num_seqs=st.integers(1, 8),
 )
 def test_overlapped_steps_keep_invariants(operations, num_blocks, budget, max_num_seqs):
     scheduler = Scheduler(BlockManager(num_blocks, BLOCK_SIZE), max_num_seqs, budget, MAX_MODEL_LEN)
-    steps = OverlappedSteps(scheduler)
-    all_seqs = run_program(operations, scheduler, steps.step, steps.busy)
+    pipeline, _ = make_pipeline(scheduler, overlap=True)
+    all_seqs = run_program(operations, scheduler, pipeline_stepper(pipeline), pipeline.has_work)
     for seq in all_seqs:  # every sequence that was not aborted ended with real tokens, within its limits
         if seq.finish_reason == "abort":
             continue

@@ -1,0 +1,117 @@
+"""Async scheduling changes no output: random programs of arrivals, steps and aborts, with requests that end on EOS,
+on a stop token or at max_tokens at different steps, give every request the tokens it gets alone and synchronously.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from conftest import VOCAB_SIZE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedllm import LLM, SamplingParams
+
+NUM_PROMPTS = 12
+rng = random.Random(3)
+PROMPTS = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randrange(1, 40))] for _ in range(NUM_PROMPTS)]
+MAX_TOKENS = 12
+
+
+def request_params(prompt_index: int, ending: str, reference: list[int]) -> SamplingParams:
+    """ending: 'eos' (the engine's EOS token), 'stop' (a stop token the request reaches at a step of its own),
+    or 'length' (ignore_eos, so only max_tokens ends it)."""
+    if ending == "stop":
+        stop_token = reference[(prompt_index * 5) % len(reference)]
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_token])
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=ending == "length")
+
+
+def set_eos(llm: LLM, eos_token: int) -> None:
+    llm.llm_engine.eos_token_ids = frozenset({eos_token})
+
+
+@pytest.fixture(scope="module")
+def setup(llama_dir):
+    """The references: each (prompt, ending) run alone on a synchronous engine. EOS is the token the model
+    produces in the most requests, so that many end on it, each at its own step."""
+    sync = LLM(llama_dir, async_scheduling=False)
+    no_eos = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    free_runs = [sync.generate({"prompt_token_ids": p}, no_eos, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    eos_token = Counter(token for run in free_runs for token in set(run[1:])).most_common(1)[0][0]
+    set_eos(sync, eos_token)
+    references = {}
+    for index, prompt in enumerate(PROMPTS):
+        for ending in ("eos", "stop", "length"):
+            params = request_params(index, ending, free_runs[index])
+            output = sync.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+            references[index, ending] = (params, output.token_ids, output.finish_reason)
+    eos_ends = [key for key, (_, _, reason) in references.items() if key[1] == "eos" and reason == "stop"]
+    assert len(eos_ends) >= 4, "the test needs requests that really end on EOS"
+    engines = {
+        "default": LLM(llama_dir, async_scheduling=True),
+        "chunked": LLM(llama_dir, async_scheduling=True, max_num_batched_tokens=7),
+        "preempting": LLM(llama_dir, async_scheduling=True, num_kv_blocks=5, block_size=16),
+    }
+    for llm in engines.values():
+        set_eos(llm, eos_token)
+    return references, engines
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, NUM_PROMPTS - 1), st.sampled_from(["eos", "stop", "length"])),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+@pytest.mark.parametrize("engine_name", ["default", "chunked", "preempting"])
+def test_async_scheduling_changes_no_output(setup, engine_name):
+    references, engines = setup
+    llm = engines[engine_name]
+    engine = llm.llm_engine
+    preemptions_before = engine.scheduler.num_preemptions
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+    @given(operations=st.lists(operation, min_size=1, max_size=40))
+    def run(operations):
+        added: list[tuple[str, tuple[int, str]]] = []
+        aborted: set[str] = set()
+        finished = {}
+
+        def collect(outputs):
+            for output in outputs:
+                if output.finished:
+                    finished[output.request_id] = output
+
+        for op in operations:
+            if op[0] == "add":
+                request_id = f"r{len(added)}"
+                params = references[op[1], op[2]][0]
+                engine.add_request(request_id, {"prompt_token_ids": PROMPTS[op[1]]}, params, stream=False)
+                added.append((request_id, (op[1], op[2])))
+            elif op[0] == "step":
+                for _ in range(op[1]):
+                    collect(engine.step())
+            elif added:
+                request_id = added[op[1] % len(added)][0]
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+                    aborted.add(request_id)
+        while engine.has_unfinished_requests():
+            collect(engine.step())
+        for request_id, key in added:
+            if request_id in aborted:  # aborted before it finished: it never reports afterwards
+                assert request_id not in finished
+                continue
+            _, tokens, reason = references[key]
+            output = finished[request_id].outputs[0]
+            assert (output.token_ids, output.finish_reason) == (tokens, reason), f"{request_id} {key}"
+        assert not engine.requests
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    run()
+    if engine_name == "preempting":
+        assert engine.scheduler.num_preemptions > preemptions_before
