@@ -39,7 +39,10 @@ def setup(llama_dir):
     produces in the most requests, so that many end on it, each at its own step."""
     sync = LLM(llama_dir, async_scheduling=False)
     no_eos = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    free_runs = [sync.generate({"prompt_token_ids": p}, no_eos, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    free_runs = [
+        output.outputs[0].token_ids
+        for output in sync.generate([{"prompt_token_ids": p} for p in PROMPTS], no_eos, use_tqdm=False)
+    ]
     eos_token = Counter(token for run in free_runs for token in set(run[1:])).most_common(1)[0][0]
     set_eos(sync, eos_token)
     references = {}
