@@ -20,10 +20,24 @@ class LLM:
 
     `model` is a Hugging Face model directory or a .gguf file; None loads the embedded SmolLM2-135M-Instruct.
     Every keyword is an EngineConfig field; an unknown one is a TypeError.
+
+    tensor_parallel_size=N > 1 starts N - 1 more processes (one per rank), or joins the ranks torchrun launched; in
+    torchrun's processes of ranks other than 0, LLM(...) serves rank 0 and then exits the process. shutdown(), a
+    `with` block, garbage collection and interpreter exit end them.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+
+    def shutdown(self) -> None:
+        """End the engine's other processes and free its memory; the LLM runs nothing afterwards. Idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

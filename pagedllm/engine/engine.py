@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.step_pipeline import StepPipeline, StepRecord
-from pagedllm.executor.worker import Worker
+from pagedllm.executor.distributed_executor import make_executor
+from pagedllm.executor.ranks import is_rank_zero
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -45,16 +46,16 @@ def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1")
         self.config = config
-        checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer=not config.skip_tokenizer_init)
+        load_tokenizer = not config.skip_tokenizer_init
+        checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero())
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, checkpoint.checkpoint_dtype)
-        self.worker = Worker(config, self.max_model_len, device, dtype, checkpoint)
+        # Under torchrun, on ranks other than 0 this serves rank 0 and exits the process.
+        self.worker = make_executor(config, self.spec, self.max_model_len, device, dtype, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -139,6 +140,10 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort(request_id)
             self.pipeline.forget(request_id)
+
+    def shutdown(self) -> None:
+        """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
+        self.worker.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.pipeline.has_work()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.layers.parallel_state import kv_heads_per_rank
 from pagedllm.models.spec import DecoderSpec
 
 CPU_MEMORY_SHARE = 0.2
@@ -18,7 +19,8 @@ CPU_MAX_KV_BYTES = 1 << 30
 
 
 def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, tp_size: int) -> int:
-    kv_heads = spec.num_kv_heads // tp_size
+    """One block of one rank, which holds only its own KV heads."""
+    kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp_size)
     return 2 * spec.num_layers * block_size * kv_heads * spec.head_dim * dtype.itemsize
 
 
@@ -74,5 +76,6 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """[2 (K, V), num_layers, num_blocks, block_size, kv_heads, head_dim], zeroed: the torch backend reads slots
     past a sequence's end (masked out, but NaN from uninitialised memory would survive the mask)."""
-    shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads // tp_size, spec.head_dim)
+    kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp_size)
+    shape = (2, spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.executor.step_plan import StepPlan
+from pagedllm.executor.step_plan import SamplingArrays, StepPlan
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
-    sampling: SamplingInputs
+    sampling: SamplingInputs | None  # None where the plan has no sampling arrays (ranks other than 0)
 
 
 def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
@@ -127,23 +127,21 @@ class StepBuffers:
             sample_rows=self.sample_rows.upload(plan.sample_rows),
             placeholder_rows=self.placeholder_rows.upload(plan.placeholder_rows),
             placeholder_sources=self.placeholder_sources.upload(plan.placeholder_sources),
-            sampling=SamplingInputs(
-                temperatures=self.temperatures.upload(sampling.temperatures),
-                top_ps=None if sampling.top_ps is None else self.top_ps.upload(sampling.top_ps),
-                top_ks=None if sampling.top_ks is None else self.top_ks.upload(sampling.top_ks),
-            ),
+            sampling=None if sampling is None else self.upload_sampling(sampling),
         )
         self.uploads_done.record()
         return inputs
 
+    def upload_sampling(self, sampling: SamplingArrays) -> SamplingInputs:
+        return SamplingInputs(
+            temperatures=self.temperatures.upload(sampling.temperatures),
+            top_ps=None if sampling.top_ps is None else self.top_ps.upload(sampling.top_ps),
+            top_ks=None if sampling.top_ks is None else self.top_ks.upload(sampling.top_ks),
+        )
+
 
 def wrap_plan(plan: StepPlan) -> StepInputs:
     """CPU: the tensors share memory with the plan's numpy arrays."""
-    sampling = plan.sampling
-
-    def optional(array: np.ndarray | None) -> torch.Tensor | None:
-        return None if array is None else torch.from_numpy(array)
-
     return StepInputs(
         input_ids=torch.from_numpy(plan.input_ids),
         positions=torch.from_numpy(plan.positions),
@@ -159,9 +157,16 @@ def wrap_plan(plan: StepPlan) -> StepInputs:
         sample_rows=torch.from_numpy(plan.sample_rows),
         placeholder_rows=torch.from_numpy(plan.placeholder_rows),
         placeholder_sources=torch.from_numpy(plan.placeholder_sources),
-        sampling=SamplingInputs(
-            temperatures=torch.from_numpy(sampling.temperatures),
-            top_ps=optional(sampling.top_ps),
-            top_ks=optional(sampling.top_ks),
-        ),
+        sampling=None if plan.sampling is None else wrap_sampling(plan.sampling),
+    )
+
+
+def wrap_sampling(sampling: SamplingArrays) -> SamplingInputs:
+    def optional(array: np.ndarray | None) -> torch.Tensor | None:
+        return None if array is None else torch.from_numpy(array)
+
+    return SamplingInputs(
+        temperatures=torch.from_numpy(sampling.temperatures),
+        top_ps=optional(sampling.top_ps),
+        top_ks=optional(sampling.top_ks),
     )

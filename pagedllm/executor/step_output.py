@@ -4,6 +4,7 @@ engine can queue the next step before this one's tokens are read back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,8 @@ class StepOutput:
         self.events = events
         self.host_token_ids: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
+        # Raises if the tokens cannot be trusted (a tensor-parallel rank failed while the step ran).
+        self.check_ranks: Callable[[], None] | None = None
         if sampled_token_ids is not None and sampled_token_ids.is_cuda:
             self.host_token_ids = torch.empty(sampled_token_ids.shape, dtype=sampled_token_ids.dtype, pin_memory=True)
             self.host_token_ids.copy_(sampled_token_ids, non_blocking=True)
@@ -48,6 +51,10 @@ class StepOutput:
         if self.sampled_token_ids is None:
             return []
         if self.copied is None:
-            return self.sampled_token_ids.tolist()
-        self.copied.synchronize()
-        return self.host_token_ids.tolist()
+            token_ids = self.sampled_token_ids.tolist()
+        else:
+            self.copied.synchronize()
+            token_ids = self.host_token_ids.tolist()
+        if self.check_ranks is not None:
+            self.check_ranks()
+        return token_ids

@@ -39,7 +39,7 @@ class StepPlan:
     # Rows whose input token was sampled by the step still in flight, and that token's row among its samples.
     placeholder_rows: np.ndarray  # [num_placeholders] int64
     placeholder_sources: np.ndarray  # [num_placeholders] int64
-    sampling: SamplingArrays
+    sampling: SamplingArrays | None  # None on tensor-parallel ranks other than 0, which do not sample
     # Requests that ended since the last plan: the device side drops their per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
 

@@ -1,20 +1,24 @@
 """Worker: the device side of the engine. It owns the model and its weights, the KV cache, the attention backend,
 the CUDA graphs, the step buffers and per-request random state, and turns a StepPlan into a StepOutput.
+
+Under tensor parallelism every rank has a Worker holding its shard; all of them execute the same plans in the same
+order (their collectives pair up that way), and only rank 0 samples.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
-from pagedllm.executor.step_inputs import StepBuffers, pad_decode_plan, wrap_plan
+from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import SamplingArrays, StepPlan
-from pagedllm.layers.parallel_state import tp_size
+from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
 from pagedllm.layers.sampler import SamplingTensors, sample
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
@@ -41,10 +45,12 @@ class Worker:
         device: torch.device,
         dtype: torch.dtype,
         checkpoint: Checkpoint | None = None,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ):
-        """checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it), else opened here."""
-        checkpoint = checkpoint or open_checkpoint(config.model, config.tokenizer, load_tokenizer=False)
-        self.config, self.device, self.dtype = config, device, dtype
+        """checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it), else opened here.
+        tp: this worker's rank and group; the model holds that rank's shard."""
+        checkpoint = checkpoint or open_checkpoint(config.model, load_tokenizer=False, convert_gguf=False)
+        self.config, self.device, self.dtype, self.tp = config, device, dtype, tp
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -56,16 +62,21 @@ class Worker:
             self.buffers = StepBuffers.allocate(max_tokens, config.max_num_seqs, self.table_width, device)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
-        self.model = build_model(self.spec, max_model_len, dtype, device)
+        with building_with(tp):
+            self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
         self.backend = make_attention_backend(config.attention_backend, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its own stream, for seeded requests
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.record_events = False  # set by the engine when someone wants device timings
-        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp_size())
-        self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
+        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size)
+        num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
+        # Every rank holds the same block ids, so the rank with the least room sets the number.
+        fewest = tp.all_reduce(torch.tensor([num_kv_blocks], device=device), dist.ReduceOp.MIN)
+        self.num_kv_blocks = int(fewest.item())
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
-        logger.info(
+        log = logger.info if tp.rank == 0 else logger.debug
+        log(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; attention backend %s",
             self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
             self.num_kv_blocks * block_bytes / 2**30, device, self.backend.name,
@@ -75,7 +86,7 @@ class Worker:
             self.graphs.capture()
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
+        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, self.tp.size)
         layers = [module for module in self.model.modules() if hasattr(module, "k_cache")]
         for index, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, index], kv_cache[1, index], self.backend
@@ -131,6 +142,8 @@ class Worker:
     def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
         """Queue one step on the device without waiting for it. Input tokens still unknown on the host
         (sampled by the step in flight) are taken on the device from `previous`."""
+        if self.model is None:
+            raise RuntimeError("this engine was shut down; create a new LLM")
         self.release(plan.finished_request_ids)
         padded_size = None
         if self.buffers is not None and plan.decode_only:
@@ -143,9 +156,7 @@ class Worker:
             events.start.record()
         inputs = self.buffers.upload(plan) if self.buffers is not None else wrap_plan(plan)
         if len(plan.placeholder_rows):
-            assert previous is not None and previous.sampled_token_ids is not None, "placeholder without a step"
-            placeholders = previous.sampled_token_ids.index_select(0, inputs.placeholder_sources)
-            inputs.input_ids.index_copy_(0, inputs.placeholder_rows, placeholders)
+            self.fill_placeholders(inputs, previous)
         if padded_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(padded_size)
         else:
@@ -154,11 +165,23 @@ class Worker:
             events.forward_done.record()
         sampled = None
         if plan.num_sampled:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
-            sampled = sample(logits, self.sampling_tensors(plan.sampling, inputs.sampling))
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # None on ranks other than 0
+            if logits is not None:
+                sampled = sample(logits.float(), self.sampling_tensors(plan.sampling, inputs.sampling))
         if events is not None:
             events.end.record()
         return StepOutput(plan.step_id, sampled, events)
+
+    def fill_placeholders(self, inputs: StepInputs, previous: StepOutput | None) -> None:
+        """Input tokens sampled by the step still in flight are taken from its samples, on the device. Only rank 0
+        sampled them, so rank 0 sends them to the other ranks."""
+        if self.tp.rank == 0:
+            assert previous is not None and previous.sampled_token_ids is not None, "placeholder without a step"
+            tokens = previous.sampled_token_ids.index_select(0, inputs.placeholder_sources)
+        else:
+            tokens = torch.empty(len(inputs.placeholder_rows), dtype=torch.int64, device=self.device)
+        self.tp.broadcast_from_first(tokens)
+        inputs.input_ids.index_copy_(0, inputs.placeholder_rows, tokens)
 
     def sampling_tensors(self, arrays: SamplingArrays, inputs) -> SamplingTensors:
         temperatures = arrays.temperatures
@@ -183,3 +206,11 @@ class Worker:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied embedding counted once)."""
+        return sum(param.numel() * param.element_size() for param in self.model.parameters())
+
+    def shutdown(self) -> None:
+        """Drop the graphs, the KV cache and the model, so their memory is freed; the worker runs no more steps."""
+        self.graphs = self.kv_cache = self.model = None

@@ -1,48 +1,54 @@
-"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks."""
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
+
+The vocabulary is padded to a multiple of the TP size (as vLLM does), so any vocabulary size splits evenly:
+rank r holds rows [r * shard_size, (r + 1) * shard_size); rows past the real vocabulary are zero.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import copy_weight
-from pagedllm.layers.parallel_state import all_reduce, tp_rank, tp_size
+from pagedllm.layers.parallel_state import tp_group
+
+if TYPE_CHECKING:
+    from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r * shard, (r + 1) * shard) of the table; other ids embed to zero, then all-reduce."""
+    """Each rank embeds the ids in its shard and zero for the others; the all-reduce sums the one non-zero row."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
+        self.tp = tp_group()
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // tp_size())
-        self.shard_start = tp_rank() * self.shard_size
+        self.shard_size = -(-vocab_size // self.tp.size)
+        self.shard_start = self.tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded[self.shard_start : self.shard_start + self.shard_size]
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        start = min(self.shard_start, self.vocab_size)
+        rows = min(self.shard_size, self.vocab_size - start)  # the last rank's shard ends in padding
         param.data.zero_()
-        copy_weight(param[: shard.shape[0]], shard)
+        copy_weight(param[:rows], loaded.narrow(0, start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.shard_start
         in_shard = (local_ids >= 0) & (local_ids < self.shard_size)
         embedded = F.embedding(local_ids.clamp(0, self.shard_size - 1), self.weight)
-        return all_reduce(embedded * in_shard.unsqueeze(-1).to(embedded.dtype))
+        return self.tp.all_reduce(embedded * in_shard.unsqueeze(-1).to(embedded.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the vocabulary; every rank computes its shard and the full row is gathered on every rank."""
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
-        if tp_size() > 1:
-            shards = [torch.empty_like(logits) for _ in range(tp_size())]
-            dist.all_gather(shards, logits)
-            logits = torch.cat(shards, dim=-1)
-        return logits[:, : self.vocab_size]
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary on rank 0 (padding dropped); None on the other ranks, which only send their
+        shard."""
+        logits = self.tp.gather_last_dim_to_first(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[:, : self.vocab_size]

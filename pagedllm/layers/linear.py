@@ -1,28 +1,34 @@
 """Linear layers split across tensor-parallel ranks, as in Megatron/vLLM.
 
 Column-parallel layers split the output features (no communication); row-parallel layers split the input
-features and all-reduce the partial sums. Each parameter carries a weight_loader that takes the full
-checkpoint tensor and copies in this rank's shard.
+features and all-reduce the partial sums. Each parameter carries a weight_loader that takes the checkpoint tensor
+(a CheckpointTensor: nothing is read until it is narrowed to this rank's shard and copied) and copies in the shard.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.parallel_state import all_reduce, divide, tp_rank, tp_size
+from pagedllm.layers.parallel_state import divide, kv_heads_per_rank, tp_group
+
+if TYPE_CHECKING:
+    from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 
-def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.read())
 
 
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = tp_group()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -35,7 +41,7 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         copy_weight(param, loaded)
 
 
@@ -43,11 +49,11 @@ class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's rows (output features) split across ranks; each rank returns its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+        super().__init__(in_features, divide(out_features, tp_group().size, "output features"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         shard = param.shape[0]
-        copy_weight(param, loaded.narrow(0, tp_rank() * shard, shard))
+        copy_weight(param, loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -57,40 +63,50 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        size = self.output_sizes[shard_id] // tp_size()
-        offset = sum(self.output_sizes[:shard_id]) // tp_size()
-        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; each rank holds its heads: [q heads; k heads; v heads]."""
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one column-parallel matmul; each rank holds its heads: [q heads; k heads; v heads].
+
+    With more ranks than KV heads, each KV head is replicated: the ranks r with the same r // kv_replicas share one.
+    """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        size = tp_group().size
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size(), "num_attention_heads")
-        self.num_kv_heads = divide(num_kv_heads, tp_size(), "num_key_value_heads")
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.num_heads = divide(num_heads, size, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, size)
+        self.kv_replicas = max(1, size // num_kv_heads)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+        kv_index = self.tp.rank // self.kv_replicas
+        offset, size, index = {
+            "q": (0, q_size, self.tp.rank),
+            "k": (q_size, kv_size, kv_index),
+            "v": (q_size + kv_size, kv_size, kv_index),
+        }[shard_id]
+        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, index * size, size))
 
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split: each rank multiplies its slice, then all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+        super().__init__(divide(in_features, tp_group().size, "input features"), out_features, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         if param.dim() == 1:  # bias: added once, after the reduction
             copy_weight(param, loaded)
             return
         shard = param.shape[1]
-        copy_weight(param, loaded.narrow(1, tp_rank() * shard, shard))
+        copy_weight(param, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -1,7 +1,7 @@
 """Open a model by path: a Hugging Face directory or a GGUF file (None: the embedded default model).
 
-Whatever the format, the engine gets a transformers config, a tokenizer, and (name, tensor) pairs with
-Hugging Face parameter names.
+Whatever the format, the engine gets a transformers config, a tokenizer, and (name, CheckpointTensor) pairs with
+Hugging Face parameter names, read lazily so that each tensor-parallel rank reads only its shards.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 from pagedllm.loader.safetensors_loader import iterate_safetensors
 
 
@@ -21,20 +22,24 @@ class Checkpoint:
     source: str
     hf_config: object
     tokenizer: object
-    # dtype -> (name, tensor) pairs in that dtype
-    named_tensors: Callable[[torch.dtype], Iterable[tuple[str, torch.Tensor]]]
+    # dtype -> (name, tensor) pairs that read in that dtype
+    named_tensors: Callable[[torch.dtype], Iterable[tuple[str, CheckpointTensor]]]
     checkpoint_dtype: object = None
     generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
 
 
-def open_checkpoint(model: str | None, tokenizer: str | None = None, load_tokenizer: bool = True) -> Checkpoint:
+def open_checkpoint(
+    model: str | None, tokenizer: str | None = None, load_tokenizer: bool = True, convert_gguf: bool = True
+) -> Checkpoint:
+    """convert_gguf: a GGUF file without a cached conversion is converted and cached now (the engine's rank 0 does
+    this); otherwise its tensors are dequantized straight from the file, each when read."""
     if model is None:
         from pagedllm.loader.default_model import default_model_path
 
         model = str(default_model_path())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return open_gguf(path, tokenizer)
+        return open_gguf(path, tokenizer, load_tokenizer, convert_gguf)
     if path.is_dir() and (path / "config.json").exists():
         return open_hf_directory(path, tokenizer, load_tokenizer)
     if path.is_dir():
@@ -59,13 +64,21 @@ def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -
     )
 
 
-def open_gguf(path: Path, tokenizer: str | None) -> Checkpoint:
-    from pagedllm.loader.gguf_loader import load_gguf
+def open_gguf(path: Path, tokenizer: str | None, load_tokenizer: bool, convert: bool) -> Checkpoint:
+    from pagedllm.loader.gguf_loader import build_tokenizer, converted_copy, gguf_config, lazy_gguf_tensors
 
-    gguf = load_gguf(path, torch.float32)
+    converted = converted_copy(path, write=convert)
+    if converted is not None:
+        checkpoint = open_hf_directory(converted, tokenizer, load_tokenizer)
+        checkpoint.source = str(path)
+        return checkpoint
+    if not load_tokenizer:
+        tokenizer_object = None
+    else:
+        tokenizer_object = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else build_tokenizer(path)
     return Checkpoint(
         source=str(path),
-        hf_config=gguf.config,
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer) if tokenizer else gguf.tokenizer,
-        named_tensors=lambda dtype: ((name, tensor.to(dtype)) for name, tensor in gguf.tensors.items()),
+        hf_config=gguf_config(path),
+        tokenizer=tokenizer_object,
+        named_tensors=lambda dtype: lazy_gguf_tensors(path, dtype),
     )

@@ -11,6 +11,7 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 # general.architecture -> the transformers config class of that family
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
@@ -85,6 +88,19 @@ def load_gguf(
 def default_cache_dir() -> Path:
     """$PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
     return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+
+
+def converted_copy(path: Path, write: bool) -> Path | None:
+    """The cached float32 conversion of `path` (a Hugging Face directory: config, tokenizer, model.safetensors).
+    When there is none: with `write`, convert and cache it now; otherwise, or if it cannot be written, None."""
+    entry = default_cache_dir() / _cache_key(path, torch.float32)
+    if write and not entry.is_dir():
+        _write_cache(_convert(path, torch.float32), entry)
+    return entry if entry.is_dir() else None
+
+
+def build_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return _build_tokenizer(_open_reader(path), path)
 
 
 def _convert(path: Path, dtype: torch.dtype) -> GGUFCheckpoint:
@@ -212,17 +228,43 @@ def _llama3_divisors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
 def _read_tensors(
     reader: gguf.GGUFReader, config: PretrainedConfig, arch: str, dtype: torch.dtype, path: Path
 ) -> dict[str, torch.Tensor]:
-    tensors = {}
+    return {
+        hf_name(tensor.name, path): _dense(tensor, config, arch, path).to(dtype).contiguous()
+        for tensor in reader.tensors
+        if tensor.name != ROPE_FREQS_TENSOR  # already folded into config.rope_scaling
+    }
+
+
+def _dense(tensor: gguf.ReaderTensor, config: PretrainedConfig, arch: str, path: Path) -> torch.Tensor:
+    """One tensor dequantized to float32 in Hugging Face's layout."""
+    weight = torch.from_numpy(_dequantize(tensor, path))
+    name = hf_name(tensor.name, path)
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # weights and biases alike
+        num_heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        weight = unpermute_rotary(weight, num_heads)
+    return weight
+
+
+def lazy_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Without a converted copy: each tensor is dequantized only when read, and only the part read is kept."""
+    reader = _open_reader(path)
+    architecture = _architecture(reader, path)
+    config = _build_config(reader, architecture, {tensor.name for tensor in reader.tensors}, path)
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:  # already folded into config.rope_scaling
+        if tensor.name == ROPE_FREQS_TENSOR:
             continue
         name = hf_name(tensor.name, path)
-        weight = torch.from_numpy(_dequantize(tensor, path))
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # weights and biases alike
-            num_heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-            weight = unpermute_rotary(weight, num_heads)
-        tensors[name] = weight.to(dtype).contiguous()
-    return tensors
+
+        def read_slices(slices: tuple[slice, ...], tensor=tensor) -> torch.Tensor:
+            return _dense(tensor, config, architecture, path)[slices].clone()
+
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        yield name, CheckpointTensor.lazy(name, shape, read_slices, dtype)
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    reader = _open_reader(path)
+    return _build_config(reader, _architecture(reader, path), {tensor.name for tensor in reader.tensors}, path)
 
 
 def hf_name(gguf_name: str, path: Path | str = "<gguf>") -> str:

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
@@ -25,8 +27,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Lazily: read each tensor (the part of it that is needed) before asking for the next one, since a file is
+    closed once all of its tensors have been yielded."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name).to(dtype)
+                part = handle.get_slice(name)
+                yield name, CheckpointTensor.lazy(name, tuple(part.get_shape()), part.__getitem__, dtype)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from pagedllm.layers.linear import copy_weight
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -38,7 +38,7 @@ def expected_loads(model: nn.Module) -> set[tuple[str, object]]:
     return expected
 
 
-def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, CheckpointTensor]], source: str) -> None:
     params = dict(model.named_parameters())
     tied = model.spec.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()

@@ -1,0 +1,174 @@
+"""DistributedExecutor: rank 0's side of tensor parallelism, with a Worker's surface (execute, table_width,
+num_kv_blocks), so the engine drives it exactly like a Worker. Each plan goes to the other ranks first, then rank 0
+runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
+
+Lifecycle: shutdown(), garbage collection and interpreter exit end every rank. A rank that fails ends the group: the
+step raises a RuntimeError naming the rank and its error, and every later step raises too.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import EngineConfig
+from pagedllm.executor.plan_broadcast import send_plan, send_shutdown
+from pagedllm.executor.ranks import (
+    STOP_TIMEOUT_S,
+    SpawnedRanks,
+    check_tensor_parallel,
+    gather_weight_bytes,
+    join_group,
+    launched_by_torchrun,
+    rank_device,
+    serve_plans,
+)
+from pagedllm.executor.step_output import StepOutput
+from pagedllm.executor.step_plan import StepPlan
+from pagedllm.executor.worker import Worker
+from pagedllm.loader.checkpoint import Checkpoint
+from pagedllm.logger import logger
+from pagedllm.models.spec import DecoderSpec
+
+
+def make_executor(
+    config: EngineConfig,
+    spec: DecoderSpec,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpoint: Checkpoint,
+) -> Worker | DistributedExecutor:
+    """A Worker for one rank; for several, checks that they can work before any process starts."""
+    if config.tensor_parallel_size == 1:
+        return Worker(config, max_model_len, device, dtype, checkpoint)
+    check_tensor_parallel(config, spec, device)
+    return DistributedExecutor(config, max_model_len, device, dtype, checkpoint)
+
+
+@dataclass(slots=True)
+class GroupState:
+    ended: bool = False
+    failed: bool = False  # the ranks are out of step: no shutdown can be sent, they are stopped instead
+
+
+class DistributedExecutor:
+    def __init__(
+        self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype, checkpoint: Checkpoint
+    ):
+        """Start the other ranks (or join them, under torchrun) and load rank 0's shard.
+
+        Under torchrun, in the processes of ranks other than 0 this serves rank 0 and then exits the process
+        (SystemExit(0)): code after LLM(...) runs on rank 0 only.
+        """
+        size = config.tensor_parallel_size
+        self.state = GroupState()
+        self.ranks: SpawnedRanks | None = None
+        if launched_by_torchrun():
+            rank = int(os.environ["RANK"])
+            device = rank_device(device, int(os.environ["LOCAL_RANK"]))
+            tp, self.plan_group = join_group(rank, size, device, store=None)
+            if rank != 0:
+                serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, tp), self.plan_group)
+                raise SystemExit(0)
+        else:
+            self.ranks = SpawnedRanks(config, max_model_len, device, dtype)
+            device = rank_device(device, 0)
+            try:
+                self.ranks.wait_until_joining()
+                tp, self.plan_group = join_group(0, size, device, self.ranks.store)
+            except BaseException as error:
+                self.fail(error)
+        try:
+            self.worker = Worker(config, max_model_len, device, dtype, checkpoint, tp)
+            self.weight_bytes_per_rank = gather_weight_bytes(self.worker, self.plan_group)
+        except BaseException as error:
+            self.fail(error)
+        self.finalizer = weakref.finalize(self, end_group, self.worker, self.plan_group, self.ranks, self.state)
+        logger.info(
+            "tensor parallelism: %d ranks on %s; weights per rank: %s MiB", size, device.type,
+            ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
+        )  # fmt: skip
+
+    @property
+    def table_width(self) -> int | None:
+        return self.worker.table_width
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks
+
+    @property
+    def record_events(self) -> bool:
+        return self.worker.record_events
+
+    @record_events.setter
+    def record_events(self, value: bool) -> None:
+        self.worker.record_events = value
+
+    @property
+    def model(self):
+        """Rank 0's shard of the model (its compute_logits returns the gathered logits)."""
+        return self.worker.model
+
+    @property
+    def backend(self):
+        return self.worker.backend
+
+    @property
+    def graphs(self):
+        return self.worker.graphs
+
+    def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
+        if self.state.ended:
+            raise RuntimeError("this LLM's tensor-parallel ranks have ended (shutdown() or an earlier failure)")
+        self.raise_if_rank_died()
+        try:
+            send_plan(plan, self.plan_group)
+            output = self.worker.execute(plan, previous)
+        except BaseException as error:
+            self.fail(error)
+        output.check_ranks = self.raise_if_rank_died
+        return output
+
+    def raise_if_rank_died(self) -> None:
+        if self.ranks is not None and self.ranks.died.is_set():
+            self.fail(RuntimeError("a tensor-parallel rank ended unasked"))
+
+    def fail(self, error: BaseException) -> NoReturn:
+        """End the group after an error on rank 0 or another rank, and raise what went wrong where."""
+        failure = self.ranks.failure(wait_s=2.0) if self.ranks is not None else None
+        self.state.failed = True
+        end_group(getattr(self, "worker", None), getattr(self, "plan_group", None), self.ranks, self.state)
+        if failure is None or isinstance(error, KeyboardInterrupt):
+            raise error
+        raise RuntimeError(failure) from error
+
+    def shutdown(self) -> None:
+        """End every rank and free rank 0's memory; idempotent."""
+        if hasattr(self, "finalizer"):
+            self.finalizer()
+
+
+def end_group(
+    worker: Worker | None, plan_group: dist.ProcessGroup | None, ranks: SpawnedRanks | None, state: GroupState
+) -> None:
+    if state.ended:
+        return
+    state.ended = True
+    if not state.failed and plan_group is not None:
+        try:
+            send_shutdown(plan_group)
+        except RuntimeError:  # a rank is gone: the others are stopped below
+            state.failed = True
+    if worker is not None:
+        worker.shutdown()  # CUDA graphs go before the communicators they captured
+    if ranks is not None:
+        ranks.stop(0.0 if state.failed else STOP_TIMEOUT_S)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,67 @@
+"""Rank 0 hands each step's plan to the other tensor-parallel ranks with two torch.distributed broadcasts on a CPU
+(gloo) group: a fixed-size header of lengths and flags, then every array of the plan end to end in one int64 tensor.
+Nothing is pickled. The other ranks get no sampling arrays: only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pagedllm.executor.step_plan import StepPlan
+
+RUN_STEP, SHUT_DOWN = 1, 2
+# header: command, step_id, num_tokens, num_seqs, table_width, num_sampled, num_placeholders, max_query_len,
+# max_seq_len, decode_only
+HEADER_SIZE = 10
+
+
+def send_plan(plan: StepPlan, group: dist.ProcessGroup) -> None:
+    num_seqs, table_width = plan.block_tables.shape
+    header = [RUN_STEP, plan.step_id, plan.num_tokens, num_seqs, table_width, plan.num_sampled,
+              len(plan.placeholder_rows), plan.max_query_len, plan.max_seq_len, int(plan.decode_only)]  # fmt: skip
+    arrays = (plan.input_ids, plan.positions, plan.slot_mapping, plan.query_start_loc, plan.seq_lens,
+              plan.block_tables.ravel(), plan.sample_rows, plan.placeholder_rows, plan.placeholder_sources)  # fmt: skip
+    dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.from_numpy(np.concatenate(arrays, dtype=np.int64)), src=0, group=group)
+
+
+def send_shutdown(group: dist.ProcessGroup) -> None:
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[0] = SHUT_DOWN
+    dist.broadcast(header, src=0, group=group)
+
+
+def receive_plan(group: dist.ProcessGroup) -> StepPlan | None:
+    """The next plan from rank 0 (waiting as long as it takes); None when rank 0 shuts the group down."""
+    header = torch.empty(HEADER_SIZE, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    command, step_id, num_tokens, num_seqs, width, num_sampled, num_placeholders, max_query, max_seq, decode_only = (
+        header.tolist()
+    )
+    if command == SHUT_DOWN:
+        return None
+    assert command == RUN_STEP, f"unknown plan command {command}"
+    lengths = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, num_sampled] + [num_placeholders] * 2
+    payload = torch.empty(sum(lengths), dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=group)
+    input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources = np.split(
+        payload.numpy(), np.cumsum(lengths)[:-1]
+    )
+    return StepPlan(
+        step_id=step_id,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=query_start.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=tables.astype(np.int32).reshape(num_seqs, width),
+        sample_rows=sample_rows,
+        max_query_len=max_query,
+        max_seq_len=max_seq,
+        decode_only=bool(decode_only),
+        placeholder_rows=rows,
+        placeholder_sources=sources,
+        sampling=None,
+    )
