@@ -219,21 +219,27 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     llm = LLM(
         str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     load_s = time.perf_counter() - start
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
     if args.profile:
         profile_decode(llm, prompts)
     runs = [timed_run(llm, prompts, output_lens) for _ in range(args.repeats)]
+    num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
+    llm.shutdown()  # frees the GPUs (and ends the other ranks) before the ceilings are measured
     median = sorted(runs, key=lambda run: run.total_s)[len(runs) // 2]
     flops, bandwidth = measure_ceilings(device)
-    bound = roofline(args.shape, prompts, output_lens, flops, bandwidth)
+    # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted)
+    bound = roofline(args.shape, prompts, output_lens, flops * args.tensor_parallel_size,
+                     bandwidth * args.tensor_parallel_size)  # fmt: skip
     result = {
         "shape": args.shape,
         "gpu": torch.cuda.get_device_name(device),
         "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "block_size": args.block_size,
-        "num_kv_blocks": llm.llm_engine.worker.num_kv_blocks,
+        "num_kv_blocks": num_kv_blocks,
         "load_s": load_s,
         "runs": [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in runs],
         "median": asdict(median) | {"tokens_per_s": median.tokens_per_s},
@@ -249,7 +255,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 def print_table(result: dict) -> None:
     median, bound = result["median"], result["roofline"]
     print(
-        f"\n{result['shape']} on {result['gpu']}  (graphs {'off' if result['enforce_eager'] else 'on'}, "
+        f"\n{result['shape']} on {result['gpu']} x{result['tensor_parallel_size']}  "
+        f"(graphs {'off' if result['enforce_eager'] else 'on'}, "
         f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks, load {result['load_s']:.1f} s)"
     )
     print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
@@ -277,6 +284,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (1)")
     parser.add_argument("--profile", action="store_true", help="first print a torch.profiler table of decode steps")
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")

@@ -28,6 +28,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
     threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
+    tp_help = "split the model over this many processes, one per GPU (or CPU ranks); 1 = one process (1)"
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help=tp_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +62,9 @@ def make_llm(args: argparse.Namespace):
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    return LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    return LLM(
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size
+    )
 
 
 def sampling_params(args: argparse.Namespace):
