@@ -1,0 +1,177 @@
+"""Tensor parallelism on CPU (gloo): N ranks give the tokens and logits of one rank, with prefix caching, chunked
+prefill, preemption and async scheduling at work, for MHA, replicated KV heads (TP above the KV head count), q/k
+norms with tied embeddings, biases, a sharded safetensors checkpoint and a GGUF file; each rank holds ~1/N of the
+weights. One tensor-parallel engine lives at a time (one torch.distributed group per process)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_config, train_tokenizer
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.parallel_state import kv_heads_per_rank
+
+pytestmark = pytest.mark.slow
+
+# Chunks of at most 48 tokens, room for ~2.5 of the longest sequences at once: prefill is chunked and sequences
+# are preempted; half the prompts share a 40-token prefix, and every batch runs twice, so the cache is hit.
+SETTINGS = dict(enable_prefix_caching=True, max_num_batched_tokens=48, num_kv_blocks=20, max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+# name -> (checkpoint, tensor_parallel_size, async scheduling)
+CASES = {
+    "llama_mha_tp2": ("llama_mha", 2, True),  # 4 KV heads split 2 + 2; untied LM head
+    "qwen3_sharded_tp2": ("qwen3_sharded", 2, False),  # q/k norms, tied embeddings, many safetensors files
+    "llama_gqa_tp4": ("llama_gqa_untied", 4, False),  # 2 KV heads on 4 ranks: each head on 2 ranks
+    "qwen2_gguf_tp2": ("qwen2_gguf", 2, True),  # q/k/v biases; Q8_0 GGUF; 261-token vocabulary padded to 262
+}
+
+
+def write_llama_mha(directory: Path) -> None:
+    torch.manual_seed(0)
+    config = make_config("llama", dict(num_key_value_heads=4, tie_word_embeddings=False))
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    train_tokenizer().save_pretrained(directory)
+
+
+def write_sharded(source: str, directory: Path) -> None:
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(directory, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(source) / name).exists():
+            shutil.copy(Path(source) / name, directory / name)
+    assert len(list(directory.glob("*.safetensors"))) > 4
+
+
+def write_gguf(path: Path) -> None:
+    loader_tests = str(Path(__file__).parents[1] / "loader")
+    if loader_tests not in sys.path:
+        sys.path.append(loader_tests)
+    from test_gguf_loader import tiny_weights, write_tiny_gguf
+
+    write_tiny_gguf(path, "qwen2", tiny_weights("qwen2", 16, tied=False), 16)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    write_llama_mha(root / "llama_mha")
+    write_sharded(tiny_model_dirs["qwen3"], root / "qwen3_sharded")
+    write_gguf(root / "qwen2.gguf")
+    return {
+        "llama_mha": str(root / "llama_mha"),
+        "qwen3_sharded": str(root / "qwen3_sharded"),
+        "llama_gqa_untied": tiny_model_dirs["llama_gqa_untied"],
+        "qwen2_gguf": str(root / "qwen2.gguf"),
+    }
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engines(request, checkpoints, tmp_path_factory):
+    """(one-rank reference, tensor-parallel engine) on the same checkpoint and settings."""
+    name, size, overlap = CASES[request.param]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))  # the ranks inherit it
+        settings = dict(SETTINGS, async_scheduling=overlap)
+        reference = LLM(checkpoints[name], **settings)
+        with LLM(checkpoints[name], tensor_parallel_size=size, **settings) as parallel:
+            yield reference, parallel
+
+
+def make_prompts(vocab_size: int, count: int = 12, seed: int = 3) -> list[dict]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, vocab_size) for _ in range(40)]
+    prompts = []
+    for index in range(count):
+        tail = [rng.randrange(2, vocab_size) for _ in range(rng.randrange(1, 60))]
+        prompts.append({"prompt_token_ids": (prefix if index % 2 else []) + tail})
+    return prompts
+
+
+def vocab_size(llm: LLM) -> int:
+    return llm.llm_engine.spec.vocab_size
+
+
+@contextmanager
+def captured_logits(llm: LLM):
+    """Every logits tensor the engine computes (on rank 0: the gathered vocabulary) while the block runs."""
+    model = llm.llm_engine.worker.model
+    captured, original = [], model.compute_logits
+
+    def recording(hidden):
+        logits = original(hidden)
+        captured.append(logits.detach().clone())
+        return logits
+
+    model.compute_logits = recording
+    try:
+        yield captured
+    finally:
+        del model.compute_logits
+
+
+def greedy(llm: LLM, prompts: list[dict]) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def assert_same_tokens_or_near_tie(reference: LLM, prompts, expected, actual, max_gap: float = 1e-4) -> None:
+    """Equal, or the first differing token is the other side of a near tie in the one-rank logits."""
+    for prompt, want, got in zip(prompts, expected, actual, strict=True):
+        if want == got:
+            continue
+        position = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+        context = {"prompt_token_ids": prompt["prompt_token_ids"] + want[:position]}
+        with captured_logits(reference) as captured:
+            reference.generate([context], ONE_TOKEN, use_tqdm=False)
+        logits = captured[-1][0]
+        gap = (logits[want[position]] - logits[got[position]]).item()
+        assert 0 <= gap < max_gap, f"tokens differ at {position} ({want[position]} vs {got[position]}), gap {gap}"
+
+
+def test_greedy_tokens_equal_one_rank(engines):
+    reference, parallel = engines
+    prompts = make_prompts(vocab_size(reference))
+    for llm in engines:
+        llm.reset_prefix_cache()
+    for _ in range(2):  # the second pass is served partly from the prefix cache
+        expected, outputs = greedy(reference, prompts), parallel.generate(prompts, GREEDY, use_tqdm=False)
+        assert_same_tokens_or_near_tie(reference, prompts, expected, [o.outputs[0].token_ids for o in outputs])
+    assert parallel.llm_engine.scheduler.num_preemptions > 0
+    assert sum(output.num_cached_tokens for output in outputs) > 0
+    block_manager = parallel.llm_engine.block_manager
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+
+
+def test_last_prompt_position_logits_match(engines):
+    reference, parallel = engines
+    prompts = make_prompts(vocab_size(reference), seed=4)
+    captures = []
+    for llm in engines:
+        llm.reset_prefix_cache()
+        with captured_logits(llm) as captured:
+            llm.generate(prompts, ONE_TOKEN, use_tqdm=False)
+        captures.append(captured)
+    assert len(captures[0]) == len(captures[1]) > 0
+    for expected, actual in zip(*captures):
+        assert actual.shape == expected.shape and actual.shape[-1] == vocab_size(reference)  # padding dropped
+        assert (actual - expected).norm() / expected.norm() < 1e-5
+
+
+def test_each_rank_holds_its_share(engines):
+    reference, parallel = engines
+    size = parallel.llm_engine.config.tensor_parallel_size
+    total = reference.llm_engine.worker.weight_bytes()
+    per_rank = parallel.llm_engine.worker.weight_bytes_per_rank
+    assert len(per_rank) == size and sum(per_rank) >= total
+    for count in per_rank:  # replicated norms (and KV heads at TP 4 of 2 heads) are a few percent
+        assert abs(count - total / size) < 0.1 * total / size, (count, total / size)
+    kv_cache = parallel.llm_engine.worker.worker.kv_cache  # [K/V, layers, blocks, block size, heads, head_dim]
+    num_kv_heads = reference.llm_engine.spec.num_kv_heads
+    assert kv_cache.shape[4] == kv_heads_per_rank(num_kv_heads, size) == max(1, num_kv_heads // size)
