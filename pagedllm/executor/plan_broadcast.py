@@ -17,14 +17,49 @@ RUN_STEP, SHUT_DOWN = 1, 2
 HEADER_SIZE = 10
 
 
-def send_plan(plan: StepPlan, group: dist.ProcessGroup) -> None:
+def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a plan: int64 tensors, the header HEADER_SIZE long."""
     num_seqs, table_width = plan.block_tables.shape
     header = [RUN_STEP, plan.step_id, plan.num_tokens, num_seqs, table_width, plan.num_sampled,
               len(plan.placeholder_rows), plan.max_query_len, plan.max_seq_len, int(plan.decode_only)]  # fmt: skip
     arrays = (plan.input_ids, plan.positions, plan.slot_mapping, plan.query_start_loc, plan.seq_lens,
               plan.block_tables.ravel(), plan.sample_rows, plan.placeholder_rows, plan.placeholder_sources)  # fmt: skip
-    dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=group)
-    dist.broadcast(torch.from_numpy(np.concatenate(arrays, dtype=np.int64)), src=0, group=group)
+    return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays, dtype=np.int64))
+
+
+def array_lengths(header: list[int]) -> list[int]:
+    """How long each of the payload's arrays is, in the order pack_plan concatenates them."""
+    _, _, num_tokens, num_seqs, width, num_sampled, num_placeholders = header[:7]
+    return [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, num_sampled] + [num_placeholders] * 2
+
+
+def unpack_plan(header: list[int], payload: np.ndarray) -> StepPlan:
+    """The plan pack_plan packed, without its sampling arrays."""
+    _, step_id, _, num_seqs, width, _, _, max_query_len, max_seq_len, decode_only = header
+    input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources = np.split(
+        payload, np.cumsum(array_lengths(header))[:-1]
+    )
+    return StepPlan(
+        step_id=step_id,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=query_start.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=tables.astype(np.int32).reshape(num_seqs, width),
+        sample_rows=sample_rows,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        decode_only=bool(decode_only),
+        placeholder_rows=rows,
+        placeholder_sources=sources,
+        sampling=None,
+    )
+
+
+def send_plan(plan: StepPlan, group: dist.ProcessGroup) -> None:
+    for tensor in pack_plan(plan):
+        dist.broadcast(tensor, src=0, group=group)
 
 
 def send_shutdown(group: dist.ProcessGroup) -> None:
@@ -37,31 +72,10 @@ def receive_plan(group: dist.ProcessGroup) -> StepPlan | None:
     """The next plan from rank 0 (waiting as long as it takes); None when rank 0 shuts the group down."""
     header = torch.empty(HEADER_SIZE, dtype=torch.int64)
     dist.broadcast(header, src=0, group=group)
-    command, step_id, num_tokens, num_seqs, width, num_sampled, num_placeholders, max_query, max_seq, decode_only = (
-        header.tolist()
-    )
-    if command == SHUT_DOWN:
+    fields = header.tolist()
+    if fields[0] == SHUT_DOWN:
         return None
-    assert command == RUN_STEP, f"unknown plan command {command}"
-    lengths = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, num_sampled] + [num_placeholders] * 2
-    payload = torch.empty(sum(lengths), dtype=torch.int64)
+    assert fields[0] == RUN_STEP, f"unknown plan command {fields[0]}"
+    payload = torch.empty(sum(array_lengths(fields)), dtype=torch.int64)
     dist.broadcast(payload, src=0, group=group)
-    input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources = np.split(
-        payload.numpy(), np.cumsum(lengths)[:-1]
-    )
-    return StepPlan(
-        step_id=step_id,
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slots,
-        query_start_loc=query_start.astype(np.int32),
-        seq_lens=seq_lens.astype(np.int32),
-        block_tables=tables.astype(np.int32).reshape(num_seqs, width),
-        sample_rows=sample_rows,
-        max_query_len=max_query,
-        max_seq_len=max_seq,
-        decode_only=bool(decode_only),
-        placeholder_rows=rows,
-        placeholder_sources=sources,
-        sampling=None,
-    )
+    return unpack_plan(fields, payload.numpy())

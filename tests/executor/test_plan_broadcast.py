@@ -1,0 +1,51 @@
+"""A plan survives packing into the broadcast's header and payload: every array, length and flag, no sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm.executor.plan_broadcast import HEADER_SIZE, pack_plan, unpack_plan
+from pagedllm.executor.step_plan import SamplingArrays, StepPlan
+
+ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "sample_rows",
+          "placeholder_rows", "placeholder_sources")  # fmt: skip
+
+
+def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int]) -> StepPlan:
+    rng = np.random.default_rng(len(num_new_tokens))
+    num_seqs, num_tokens = len(num_new_tokens), sum(num_new_tokens)
+    query_start_loc = np.concatenate([[0], np.cumsum(num_new_tokens)]).astype(np.int32)
+    return StepPlan(
+        step_id=41,
+        input_ids=rng.integers(-1, 50_000, num_tokens),
+        positions=rng.integers(0, 4096, num_tokens),
+        slot_mapping=rng.integers(-1, 1 << 20, num_tokens),
+        query_start_loc=query_start_loc,
+        seq_lens=rng.integers(1, 4096, num_seqs).astype(np.int32),
+        block_tables=rng.integers(0, 1 << 16, (num_seqs, width)).astype(np.int32),
+        sample_rows=query_start_loc[1:].astype(np.int64) - 1,
+        max_query_len=max(num_new_tokens),
+        max_seq_len=4095,
+        decode_only=all(n == 1 for n in num_new_tokens),
+        placeholder_rows=np.array(placeholders, dtype=np.int64),
+        placeholder_sources=np.arange(len(placeholders), dtype=np.int64),
+        sampling=SamplingArrays(np.zeros(num_seqs, np.float32), None, None, [None] * num_seqs, ["r"] * num_seqs),
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_new_tokens", "width", "placeholders"),
+    [([5, 1, 30], 3, []), ([1, 1, 1, 1], 7, [0, 2, 3]), ([1], 1, [0]), ([100], 12, [])],
+)
+def test_unpacked_plan_equals_the_packed_one(num_new_tokens, width, placeholders):
+    plan = make_plan(num_new_tokens, width, placeholders)
+    header, payload = pack_plan(plan)
+    assert header.shape == (HEADER_SIZE,)
+    received = unpack_plan(header.tolist(), payload.numpy())
+    for name in ARRAYS:
+        sent, got = getattr(plan, name), getattr(received, name)
+        assert got.dtype == sent.dtype and np.array_equal(got, sent), name
+    for name in ("step_id", "max_query_len", "max_seq_len", "decode_only"):
+        assert getattr(received, name) == getattr(plan, name), name
+    assert received.sampling is None  # only rank 0 samples
