@@ -57,7 +57,8 @@ def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -
         hf_config=hf_config,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer or path) if load_tokenizer else None,
         named_tensors=lambda dtype: iterate_safetensors(path, dtype),
-        checkpoint_dtype=getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
+        # transformers 5 names it dtype (and warns on torch_dtype), 4.x torch_dtype
+        checkpoint_dtype=getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None),
         generation_config=(
             GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
         ),
