@@ -31,6 +31,7 @@ from pagedllm.executor.ranks import (
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.executor.worker import Worker
+from pagedllm.layers.parallel_state import TensorParallelGroup
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
@@ -72,24 +73,24 @@ class DistributedExecutor:
         if launched_by_torchrun():
             rank = int(os.environ["RANK"])
             device = rank_device(device, int(os.environ["LOCAL_RANK"]))
-            tp, self.plan_group = join_group(rank, size, device, store=None)
+            self.tp = join_group(rank, size, device, store=None)
             if rank != 0:
-                serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, tp), self.plan_group)
+                serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, self.tp))
                 raise SystemExit(0)
         else:
             self.ranks = SpawnedRanks(config, max_model_len, device, dtype)
             device = rank_device(device, 0)
             try:
                 self.ranks.wait_until_joining()
-                tp, self.plan_group = join_group(0, size, device, self.ranks.store)
+                self.tp = join_group(0, size, device, self.ranks.store)
             except BaseException as error:
                 self.fail(error)
         try:
-            self.worker = Worker(config, max_model_len, device, dtype, checkpoint, tp)
-            self.weight_bytes_per_rank = gather_weight_bytes(self.worker, self.plan_group)
+            self.worker = Worker(config, max_model_len, device, dtype, checkpoint, self.tp)
+            self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)
-        self.finalizer = weakref.finalize(self, end_group, self.worker, self.plan_group, self.ranks, self.state)
+        self.finalizer = weakref.finalize(self, end_group, self.worker, self.tp, self.ranks, self.state)
         logger.info(
             "tensor parallelism: %d ranks on %s; weights per rank: %s MiB", size, device.type,
             ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
@@ -129,7 +130,7 @@ class DistributedExecutor:
             raise RuntimeError("this LLM's tensor-parallel ranks have ended (shutdown() or an earlier failure)")
         self.raise_if_rank_died()
         try:
-            send_plan(plan, self.plan_group)
+            send_plan(plan, self.tp.host_group)
             output = self.worker.execute(plan, previous)
         except BaseException as error:
             self.fail(error)
@@ -144,7 +145,7 @@ class DistributedExecutor:
         """End the group after an error on rank 0 or another rank, and raise what went wrong where."""
         failure = self.ranks.failure(wait_s=2.0) if self.ranks is not None else None
         self.state.failed = True
-        end_group(getattr(self, "worker", None), getattr(self, "plan_group", None), self.ranks, self.state)
+        end_group(getattr(self, "worker", None), getattr(self, "tp", None), self.ranks, self.state)
         if failure is None or isinstance(error, KeyboardInterrupt):
             raise error
         raise RuntimeError(failure) from error
@@ -156,14 +157,16 @@ class DistributedExecutor:
 
 
 def end_group(
-    worker: Worker | None, plan_group: dist.ProcessGroup | None, ranks: SpawnedRanks | None, state: GroupState
+    worker: Worker | None, tp: TensorParallelGroup | None, ranks: SpawnedRanks | None, state: GroupState
 ) -> None:
     if state.ended:
         return
     state.ended = True
-    if not state.failed and plan_group is not None:
+    if ranks is not None:
+        ranks.stopping = True  # from now on a rank that exits was asked to
+    if not state.failed and tp is not None:
         try:
-            send_shutdown(plan_group)
+            send_shutdown(tp.host_group)
         except RuntimeError:  # a rank is gone: the others are stopped below
             state.failed = True
     if worker is not None:

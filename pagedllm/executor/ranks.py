@@ -74,24 +74,22 @@ def rank_device(device: torch.device, rank_on_host: int) -> torch.device:
     return device
 
 
-def join_group(
-    rank: int, size: int, device: torch.device, store: dist.Store | None
-) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
+def join_group(rank: int, size: int, device: torch.device, store: dist.Store | None) -> TensorParallelGroup:
     """Join the group (through `store`, or env:// under torchrun): the model's group (NCCL on CUDA, gloo on CPU),
-    and a CPU group that carries the plans."""
+    and a gloo group for the plans, whose ranks wait for the next plan as long as the engine idles."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rendezvous = {"store": store} if store is not None else {"init_method": "env://"}
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **rendezvous)
-    plan_group = dist.new_group(backend="gloo", timeout=PLAN_WAIT_TIMEOUT)
-    return TensorParallelGroup(rank, size, dist.group.WORLD), plan_group
+    host_group = dist.new_group(backend="gloo", timeout=PLAN_WAIT_TIMEOUT)
+    return TensorParallelGroup(rank, size, dist.group.WORLD, host_group)
 
 
-def serve_plans(worker: Worker, plan_group: dist.ProcessGroup) -> None:
+def serve_plans(worker: Worker) -> None:
     """The life of every rank but 0 once its worker is loaded: run each plan rank 0 sends, until the shutdown."""
-    gather_weight_bytes(worker, plan_group)
-    while (plan := receive_plan(plan_group)) is not None:
+    gather_weight_bytes(worker)
+    while (plan := receive_plan(worker.tp.host_group)) is not None:
         worker.execute(plan)
     worker.shutdown()
     dist.destroy_process_group()
@@ -122,8 +120,7 @@ def run_spawned_rank(
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     try:
         store.set(joining_key(rank), "1")
-        tp, plan_group = join_group(rank, size, device, store)
-        serve_plans(Worker(config, max_model_len, device, dtype, tp=tp), plan_group)
+        serve_plans(Worker(config, max_model_len, device, dtype, tp=join_group(rank, size, device, store)))
     except BaseException:
         try:
             store.set(error_key(rank), traceback.format_exc())
@@ -163,8 +160,12 @@ class SpawnedRanks:
             )
             for rank in range(1, self.size)
         ]
-        for process in self.processes:
-            process.start()
+        try:
+            for process in self.processes:
+                process.start()
+        except BaseException:
+            self.stop(0.0)
+            raise
         self.abort_on_death = device.type == "cuda"
         threading.Thread(target=self.monitor, name="pagedllm-tp-monitor", daemon=True).start()
 
@@ -213,9 +214,10 @@ class SpawnedRanks:
         """Wait up to wait_s for the ranks to exit (they were sent the shutdown, or cannot get one), then end them."""
         self.stopping = True
         deadline = time.monotonic() + wait_s
-        for process in self.processes:
+        started = [process for process in self.processes if process.pid is not None]
+        for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
+        for process in started:
             if process.is_alive():
                 process.terminate()
                 process.join(2.0)
@@ -224,10 +226,10 @@ class SpawnedRanks:
                 process.join()
 
 
-def gather_weight_bytes(worker: Worker, plan_group: dist.ProcessGroup) -> list[int] | None:
+def gather_weight_bytes(worker: Worker) -> list[int] | None:
     """Every rank's parameter bytes, on rank 0 (None elsewhere); every rank calls this once, after loading."""
     tp = worker.tp
     mine = torch.tensor([worker.weight_bytes()])
     everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.size)] if tp.rank == 0 else None
-    dist.gather(mine, everyone, dst=0, group=plan_group)
+    dist.gather(mine, everyone, dst=0, group=tp.host_group)
     return [int(count.item()) for count in everyone] if everyone is not None else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
@@ -72,8 +71,7 @@ class Worker:
         block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size)
         num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         # Every rank holds the same block ids, so the rank with the least room sets the number.
-        fewest = tp.all_reduce(torch.tensor([num_kv_blocks], device=device), dist.ReduceOp.MIN)
-        self.num_kv_blocks = int(fewest.item())
+        self.num_kv_blocks = tp.min_over_ranks(num_kv_blocks)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         log = logger.info if tp.rank == 0 else logger.debug
         log(

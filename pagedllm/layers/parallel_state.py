@@ -15,16 +15,25 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, slots=True)
 class TensorParallelGroup:
-    """Ranks 0..size-1 of `group`; rank 0 schedules and samples. Every collective here is called by every rank
-    in the same order (they are not matched by name)."""
+    """Ranks 0..size-1 (the whole torch.distributed world); rank 0 schedules and samples. Every collective here is
+    called by every rank in the same order (they are not matched by name)."""
 
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None  # None only for a single rank
+    group: dist.ProcessGroup | None = None  # the model's collectives, on the device's tensors (NCCL on CUDA)
+    host_group: dist.ProcessGroup | None = None  # gloo, on CPU tensors: plans and start-up agreements
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (through the host group: no device work is queued for it)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(tensor.item())
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(tensor, op=op, group=self.group)
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:

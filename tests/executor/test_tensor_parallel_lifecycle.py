@@ -1,6 +1,6 @@
 """Tensor-parallel ranks start only when they can work, and end with the LLM: shutdown(), a `with` block, interpreter
-exit, a killed rank or an error in any rank's forward. After a failure the main process raises within seconds, and
-no process is left behind. Also: the same engine launched by torchrun, and engines side by side on one host."""
+exit, a killed rank, or an error in any rank while it loads or runs. After a failure the main process raises within
+seconds, and no process is left behind. Also: the same engine launched by torchrun, and engines side by side."""
 
 from __future__ import annotations
 
@@ -25,35 +25,39 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40)]
 RAISES_WITHIN_S = 20  # the failures below are seen in well under a second; this leaves room for a loaded machine
 
-# Run by the subprocess tests. Spawned ranks import it as their main module, so the patch applies to them too.
+# Run by the subprocess tests. The spawned ranks import it as their main module, with the environment of the moment
+# they were started: TP_TEST_FAULT makes rank 1 (and only it: rank 0 imported this before setting it) fail.
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
+    import pagedllm.executor.worker as worker_module
     from pagedllm import LLM, SamplingParams
-    from pagedllm.executor.worker import Worker
 
-    model, mode = sys.argv[1], sys.argv[2]
-    if mode == "fail-on-rank-1":
-        execute = Worker.execute
+    def fail_on_rank_1(what):
+        raise ValueError(f"injected failure on rank 1 while {what}")
 
-        def execute_or_fail(self, plan, previous=None):
-            if self.tp.rank == 1 and plan.step_id >= 2:
-                raise ValueError("injected failure on rank 1")
-            return execute(self, plan, previous)
-
-        Worker.execute = execute_or_fail
+    if os.environ.get("TP_TEST_FAULT") == "loading":
+        worker_module.load_weights = lambda *args: fail_on_rank_1("loading")
+    if os.environ.get("TP_TEST_FAULT") == "running":
+        execute = worker_module.Worker.execute
+        worker_module.Worker.execute = lambda self, plan, previous=None: (
+            fail_on_rank_1("running") if plan.step_id >= 2 else execute(self, plan, previous)
+        )
 
     if __name__ == "__main__":
-        llm = LLM(model, tensor_parallel_size=2)
-        pids = [process.pid for process in llm.llm_engine.worker.ranks.processes]
+        model, mode = sys.argv[1], sys.argv[2]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40)]
-        report = {"pids": pids}
-        start = time.monotonic()
-        try:
-            report["tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        except RuntimeError as error:
-            report["error"], report["seconds"] = str(error), time.monotonic() - start
+        report = {}
+        for fault in ["loading", "running"] if mode == "faults" else [None]:
+            os.environ["TP_TEST_FAULT"] = fault or ""
+            start = time.monotonic()
+            try:
+                llm = LLM(model, tensor_parallel_size=2)
+                report["pids"] = [process.pid for process in llm.llm_engine.worker.ranks.processes]
+                report["tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            except RuntimeError as error:
+                report[fault] = {"error": str(error), "seconds": time.monotonic() - start}
         print(json.dumps(report), flush=True)
         # exits without shutdown(): interpreter exit must end the ranks
     """
@@ -89,14 +93,14 @@ def run_env() -> dict[str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def subprocesses(llama_dir, tmp_path_factory):
     """Started at once and awaited by the tests below, so they run side by side (and beside this process's
-    engines): a rank that fails in its forward, an LLM left to interpreter exit, and torchrun."""
+    engines): rank 1 failing while it loads and while it runs, an LLM left to interpreter exit, and torchrun."""
     script = tmp_path_factory.mktemp("tp-scripts") / "tp_script.py"
     script.write_text(SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "pagedllm.entrypoints.cli", "generate", "The quick brown", "Paris is", "--model", llama_dir,
                 "--max-tokens", "8", "--threads", "1", "--tensor-parallel-size", "2"]  # fmt: skip
     commands = {
-        "fail-on-rank-1": [sys.executable, str(script), llama_dir, "fail-on-rank-1"],
+        "faults": [sys.executable, str(script), llama_dir, "faults"],
         "exit-without-shutdown": [sys.executable, str(script), llama_dir, "exit-without-shutdown"],
         "torchrun": torchrun,
     }
@@ -185,11 +189,13 @@ def test_an_error_in_rank_0_forward_stops_the_other_ranks(llama_dir, monkeypatch
     assert multiprocessing.active_children() == []
 
 
-def test_an_error_in_rank_1_forward_is_raised_by_rank_0(subprocesses):
-    report = json.loads(finish(subprocesses["fail-on-rank-1"]).splitlines()[-1])
-    assert "tensor-parallel rank 1" in report["error"] and "ValueError: injected failure on rank 1" in report["error"]
-    assert report["seconds"] < RAISES_WITHIN_S
-    assert_gone(report["pids"])
+def test_errors_of_rank_1_loading_or_running_are_raised_by_rank_0(subprocesses):
+    report = json.loads(finish(subprocesses["faults"]).splitlines()[-1])
+    for fault in ("loading", "running"):
+        assert "tensor-parallel rank 1" in report[fault]["error"], fault
+        assert f"ValueError: injected failure on rank 1 while {fault}" in report[fault]["error"]
+    assert report["running"]["seconds"] < RAISES_WITHIN_S  # the loading failure's time includes starting
+    assert_gone(report["pids"])  # of the engine that failed running
 
 
 def test_interpreter_exit_ends_every_rank(subprocesses, expected_tokens):
