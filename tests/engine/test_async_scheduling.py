@@ -118,3 +118,20 @@ def test_async_scheduling_changes_no_output(setup, engine_name):
     run()
     if engine_name == "preempting":
         assert engine.scheduler.num_preemptions > preemptions_before
+
+
+def test_aborting_every_request_in_flight_leaves_nothing_unfinished(setup):
+    """generate() cleans up a failed run by aborting its requests; with a step in flight, the engine must then
+    report nothing unfinished at once, not one step later."""
+    _, engines = setup
+    engine = engines["default"].llm_engine
+    for index in range(3):
+        engine.add_request(f"x{index}", {"prompt_token_ids": PROMPTS[index]}, SamplingParams(max_tokens=8))
+    engine.step()
+    engine.step()
+    assert engine.pipeline.in_flight is not None
+    for index in range(3):
+        engine.abort_request(f"x{index}")
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
