@@ -47,7 +47,7 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:
+    def from_kwargs(cls, model: str | os.PathLike | None, **kwargs) -> EngineConfig:
         """Like EngineConfig(...), but an unknown keyword is a TypeError listing the accepted ones."""
         accepted = {field.name for field in fields(cls)}
         unknown = sorted(set(kwargs) - accepted)
