@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import copy_weight
+from pagedllm.layers.linear import check_full_shape, copy_weight
 from pagedllm.layers.parallel_state import all_reduce, tp_rank, tp_size
 
 
@@ -23,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_full_shape(loaded, (self.vocab_size, param.shape[1]))
         shard = loaded[self.shard_start : self.shard_start + self.shard_size]
         param.data.zero_()
         copy_weight(param[: shard.shape[0]], shard)

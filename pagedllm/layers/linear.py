@@ -14,6 +14,13 @@ from torch import nn
 from pagedllm.layers.parallel_state import all_reduce, divide, tp_rank, tp_size
 
 
+def check_full_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """The whole checkpoint tensor must have the shape the config implies, checked before any rank narrows it
+    (narrowing first would hide a tensor that is too large, and fail with a raw error on one too small)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the config implies {tuple(expected)}")
+
+
 def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
@@ -47,6 +54,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
+        check_full_shape(loaded, (shard * tp_size(), *param.shape[1:]))
         copy_weight(param, loaded.narrow(0, tp_rank() * shard, shard))
 
 
@@ -60,6 +68,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
 
 
@@ -75,6 +84,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        check_full_shape(loaded, (size * tp_size(), *param.shape[1:]))
         copy_weight(param.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
 
 
@@ -89,6 +99,7 @@ class RowParallelLinear(LinearBase):
             copy_weight(param, loaded)
             return
         shard = param.shape[1]
+        check_full_shape(loaded, (param.shape[0], shard * tp_size()))
         copy_weight(param, loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Hugging Face parameter names.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,12 @@ class Checkpoint:
     generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
 
 
-def open_checkpoint(model: str | None, tokenizer: str | None = None, load_tokenizer: bool = True) -> Checkpoint:
+def open_checkpoint(
+    model: str | os.PathLike | None, tokenizer: str | os.PathLike | None = None, load_tokenizer: bool = True
+) -> Checkpoint:
+    """`tokenizer`: a local tokenizer directory that replaces the model's own (never a hub id)."""
+    if tokenizer is not None:
+        tokenizer = str(Path(tokenizer).expanduser())
     if model is None:
         from pagedllm.loader.default_model import default_model_path
 
