@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import SamplingTensors, keep_top_k_top_p, sample
+from pagedllm.layers.sampler import SamplingTensors, sample, truncation_mask
 
 
 def tensors(temperatures, top_ps=None, top_ks=None, generators=None, seed=0) -> SamplingTensors:
@@ -33,10 +33,14 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert sample(logits, tensors([1.0] * 8, top_ps=[1e-6] * 8)).tolist() == logits.argmax(-1).tolist()
 
 
-def test_keep_top_k_top_p_masks():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
-    kept = keep_top_k_top_p(probs, top_ks=torch.tensor([2, 0]), top_ps=torch.tensor([1.0, 0.6]))
-    assert torch.equal(kept > 0, torch.tensor([[True, True, False, False], [False, False, True, True]]))
+def test_truncation_mask_keeps_top_k_and_the_renormalised_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    params = tensors([1.0] * 3, top_ps=[1.0, 0.72, 0.72], top_ks=[2, 0, 3])
+    keep = truncation_mask(probs.log(), params)
+    # Row 1: 0.4 + 0.3 < 0.72, so the third token stays. Row 2: top-p runs on the top 3 renormalised
+    # (0.44, 0.33, 0.22), where 0.44 + 0.33 already reach 0.72.
+    expected = [[True, True, False, False], [True, True, True, False], [True, True, False, False]]
+    assert keep.tolist() == expected
 
 
 def test_samples_follow_the_softmax_distribution():
