@@ -161,7 +161,9 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise shaped like `like`. A seeded row draws one value per vocabulary token from its own generator
     (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in."""
-    noise = torch.empty_like(like, dtype=torch.float32).exponential_(generator=params.default_generator)
+    noise = torch.empty_like(like, dtype=torch.float32)
+    if not all(params.generators):  # some row has no generator of its own
+        noise.exponential_(generator=params.default_generator)
     for row, generator in enumerate(params.generators):
         if generator is None:
             continue
