@@ -51,8 +51,9 @@ class Sampler:
         self.generators.release(slot)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
         tensors = batch.to_device(self.device, self.generators.__getitem__, self.default_generator)
-        return sample_tokens(logits, tensors, self.penalties)
+        return sample_tokens(logits.float(), tensors, self.penalties)
 
 
 def sample_tokens(
