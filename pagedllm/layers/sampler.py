@@ -163,7 +163,7 @@ def exponential_noise(
     """Exp(1) noise shaped like `like`. A seeded row draws one value per vocabulary token from its own generator
     (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in."""
     noise = torch.empty_like(like, dtype=torch.float32)
-    if not all(params.generators):  # some row has no generator of its own
+    if any(generator is None for generator in params.generators):  # some row has no generator of its own
         noise.exponential_(generator=params.default_generator)
     for row, generator in enumerate(params.generators):
         if generator is None:
