@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
+from pagedllm.engine.input_processor import check_conversation
 from pagedllm.engine.step_pipeline import StepRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -26,8 +29,9 @@ class LLM:
     `with` block, garbage collection and interpreter exit end them.
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs):
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.request_counter = itertools.count()  # generate()'s request ids
 
     def shutdown(self) -> None:
         """End the engine's other processes and free its memory; the LLM runs nothing afterwards. Idempotent."""
@@ -52,15 +56,33 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in input order. Bad input raises before anything runs."""
-        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        """Complete every prompt; outputs come back in input order. Bad input raises before anything runs.
+
+        generate() owns the engine while it runs: if requests added with `llm_engine.add_request()` are still
+        unfinished it raises ValueError and queues nothing (step them to completion or abort them first), so no
+        one else's outputs are consumed. Its own request ids ("generate-N") never collide with user ids.
+        """
+        is_list = isinstance(prompts, list | tuple)
+        prompt_list = list(prompts) if is_list else [prompts]
         params_list = per_prompt_params(sampling_params, len(prompt_list))
         engine = self.llm_engine
-        request_ids = [engine.next_request_id() for _ in prompt_list]
+        if engine.requests:
+            pending = sorted(engine.requests)
+            raise ValueError(
+                f"generate() cannot run while {len(pending)} request(s) added with add_request() are unfinished "
+                f"(e.g. {pending[0]!r}): step() until they finish, or abort_request() them, first"
+            )
+        # A prefix of our own plus a counter; add_request still refuses an id in use.
+        request_ids = [f"generate-{next(self.request_counter)}" for _ in prompt_list]
         added = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompt_list, params_list):
-                engine.add_request(request_id, prompt, params, stream=False)
+            for index, (request_id, prompt, params) in enumerate(zip(request_ids, prompt_list, params_list)):
+                try:
+                    engine.add_request(request_id, prompt, params, stream=False)
+                except (ValueError, TypeError) as error:
+                    if is_list:  # say which prompt of the list is wrong
+                        error.args = (f"prompts[{index}]: {error}",)
+                    raise
                 added.append(request_id)
             return self.run_to_completion(request_ids, use_tqdm)
         except BaseException:
@@ -76,8 +98,16 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {"role", "content"}) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Answer one conversation (a list of {"role": str, "content": str}) or a list of conversations."""
+        if not isinstance(messages, list | tuple):
+            raise TypeError(
+                "messages must be one conversation (a list of {'role': str, 'content': str} dicts) or a list of "
+                f"conversations, got {type(messages).__name__}"
+            )
+        several = bool(messages) and all(isinstance(conversation, list | tuple) for conversation in messages)
+        conversations = list(messages) if several else [messages]
+        for index, conversation in enumerate(conversations):
+            check_conversation(conversation, f"messages[{index}]" if several else "messages")
         prompts = [self.chat_prompt(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -85,12 +115,20 @@ class LLM:
         self, conversation: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
     ) -> dict:
         """One conversation rendered by the model's chat template, as {"prompt_token_ids": [...]}."""
+        import jinja2  # transformers' chat templates need it; it is not a dependency of ours otherwise
+
+        check_conversation(conversation, "conversation")
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, but the LLM was built with skip_tokenizer_init=True")
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
-        token_ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
-        )
+        try:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
+            )
+        except jinja2.TemplateError as error:  # e.g. the template's own raise_exception("roles must alternate")
+            raise ValueError(f"the chat template rejected this conversation: {error}") from None
         if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
             token_ids = token_ids["input_ids"]
         return {"prompt_token_ids": list(token_ids)}
@@ -143,7 +181,16 @@ def per_prompt_params(
 ) -> list[SamplingParams]:
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [sampling_params or SamplingParams()] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts; give one, or one per prompt")
-    return params
+    if not isinstance(sampling_params, list | tuple):
+        raise TypeError(
+            "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+            f"got {type(sampling_params).__name__} {sampling_params!r:.80}"
+        )
+    for index, params in enumerate(sampling_params):
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(
+            f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts; give one, or one per prompt"
+        )
+    return list(sampling_params)

@@ -1,19 +1,85 @@
-"""Incremental detokenization: each new token's text, held back until it forms whole UTF-8 characters."""
+"""Incremental detokenization of one request's output: new text as whole UTF-8 characters, stop strings, and the
+text a stream may show (never what a stop string could still remove)."""
 
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.sampling_params import SamplingParams
+
+# Tokens decoded before the undecoded tail when it is flushed: enough context for a leading space or a merge.
+FLUSH_CONTEXT = 4
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams | None = None):
+        params = params or SamplingParams()
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer under a transformers fast tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
         # Seeded with the prompt so the first output token decodes in context (e.g. its leading space).
-        self.stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=True)
-        self.text = ""
+        self.stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=params.skip_special_tokens)
+        self.decoded_ids = list(prompt_token_ids[-FLUSH_CONTEXT:])  # the last ids whose text is in self.text
+        self.undecoded_ids: list[int] = []  # ids after them that do not yet end on a whole character
+        self.num_output_tokens = 0
+        self.text = ""  # the output text so far; ends before a matched stop string (unless it is included)
+        self.stop_reason: str | None = None  # the stop string that ended the text
+        self.num_streamed_chars = 0
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text it completes (possibly empty)."""
-        delta = self.stream.step(self.backend, token_id) or ""
-        self.text += delta
+        num_chars = len(self.text)
+        self.update([token_id])
+        return self.text[num_chars:]
+
+    def update(self, token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Feed new output tokens. stop_terminated: the last one is the EOS or stop token that ends the request; its
+        text is left out unless include_stop_str_in_output. Returns the stop string that ended the text, if any:
+        the request is then finished (finish_reason "stop", stop_reason that string) and takes no more tokens."""
+        assert self.stop_reason is None, "tokens after a stop string"
+        if stop_terminated and not self.include_stop_str_in_output:
+            self.num_output_tokens += 1
+            token_ids = token_ids[:-1]
+        for token_id in token_ids:
+            self.num_output_tokens += 1
+            new_text = self.stream.step(self.backend, token_id)
+            self.undecoded_ids.append(token_id)
+            if not new_text:
+                continue
+            self.decoded_ids = (self.decoded_ids + self.undecoded_ids)[-FLUSH_CONTEXT:]
+            self.undecoded_ids = []
+            num_chars = len(self.text)
+            self.text += new_text
+            if self.stop_checker is not None and self.num_output_tokens >= self.min_tokens:
+                match = self.stop_checker.find(self.text, num_chars)
+                if match is not None:
+                    self.text = self.text[: match.end]
+                    self.stop_reason = match.stop
+                    return match.stop
+        return None
+
+    def finish(self) -> None:
+        """The request ended: show a trailing incomplete character as U+FFFD, as tokenizer.decode does."""
+        if not self.undecoded_ids or self.stop_reason is not None:
+            return
+        decode = lambda ids: self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        context_text = decode(self.decoded_ids)
+        self.text += decode(self.decoded_ids + self.undecoded_ids)[len(context_text) :]
+        self.undecoded_ids = []
+
+    def output_text(self, finished: bool) -> str:
+        """The text a request's output may show now: while running, not the last characters a stop string could
+        still remove."""
+        if finished or self.stop_checker is None:
+            return self.text
+        return self.text[: max(len(self.text) - self.stop_checker.holdback, 0)]
+
+    def new_output_text(self, finished: bool) -> str:
+        """What output_text() shows beyond the previous call's (for streaming deltas)."""
+        shown = self.output_text(finished)
+        delta = shown[self.num_streamed_chars :]
+        self.num_streamed_chars = len(shown)
         return delta

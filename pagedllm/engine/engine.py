@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.ranks import is_rank_zero
@@ -101,24 +102,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; give at least one character or token")
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            token_ids = prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list | tuple) or not token_ids:
-                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids holds {len(bad)} id(s) outside the vocabulary [0, {self.spec.vocab_size}), "
-                    f"e.g. {bad[0]!r}"
-                )
-            return prompt.get("prompt"), list(token_ids)
-        raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        return process_prompt(prompt, self.tokenizer, self.spec.vocab_size)
 
     def validate_length(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) >= self.max_model_len:

@@ -34,7 +34,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         dtype = next(model.parameters()).dtype
         # [max_num_seqs, hidden_size]: every graph writes its output rows here
-        self.hidden = torch.empty(max_num_seqs, model.spec.hidden_size, dtype=dtype, device=buffers.device)
+        device = buffers.input_ids.device.device
+        self.hidden = torch.empty(max_num_seqs, model.spec.hidden_size, dtype=dtype, device=device)
 
     def decode_metadata(self, batch_size: int) -> AttentionMetadata:
         buffers = self.buffers

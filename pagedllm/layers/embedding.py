@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import copy_weight
+from pagedllm.layers.linear import check_full_shape, copy_weight
 from pagedllm.layers.parallel_state import tp_group
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        check_full_shape(loaded, (self.vocab_size, param.shape[1]))
         start = min(self.shard_start, self.vocab_size)
         rows = min(self.shard_size, self.vocab_size - start)  # the last rank's shard ends in padding
         param.data.zero_()

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 
+def check_full_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
+    """The whole checkpoint tensor must have the shape the config implies, checked before any rank narrows it
+    (narrowing first would hide a tensor that is too large, and fail with a raw error on one too small)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the config implies {tuple(expected)}")
+
+
 def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
@@ -53,6 +60,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         shard = param.shape[0]
+        check_full_shape(loaded, (shard * self.tp.size, *param.shape[1:]))
         copy_weight(param, loaded.narrow(0, self.tp.rank * shard, shard))
 
 
@@ -66,6 +74,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         copy_weight(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
 
 
@@ -77,7 +86,7 @@ class QKVParallelLinear(LinearBase):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         size = tp_group().size
-        self.head_dim = head_dim
+        self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, num_heads, num_kv_heads
         self.num_heads = divide(num_heads, size, "num_attention_heads")
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, size)
         self.kv_replicas = max(1, size // num_kv_heads)
@@ -91,6 +100,8 @@ class QKVParallelLinear(LinearBase):
             "k": (q_size, kv_size, kv_index),
             "v": (q_size + kv_size, kv_size, kv_index),
         }[shard_id]
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_full_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]))
         copy_weight(param.narrow(0, offset, size), loaded.narrow(0, index * size, size))
 
 
@@ -105,6 +116,7 @@ class RowParallelLinear(LinearBase):
             copy_weight(param, loaded)
             return
         shard = param.shape[1]
+        check_full_shape(loaded, (param.shape[0], shard * self.tp.size))
         copy_weight(param, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

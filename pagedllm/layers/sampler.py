@@ -1,8 +1,10 @@
-"""Vectorised sampling: greedy, temperature, top-k and top-p for a whole batch in a few tensor ops.
+"""The vectorised sampler: one pass over a batch whose rows each have their own parameters, on the device.
 
-A row samples by the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Without top-k/top-p this
-is argmax(logits / T - log E), since softmax's normaliser is shared by the whole row: no softmax is computed.
-Rows with their own seed draw E from their own generator, so their tokens do not depend on the batch.
+Order, as vLLM's: raw logprobs (before anything else); logit_bias and min_tokens' bans; penalties; greedy rows
+take the argmax; the others divide by their temperature, keep what min-p, top-k and top-p allow (each on the
+distribution the previous one left, renormalised) and draw. A row draws by the exponential race,
+argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logits / T) without computing it.
+Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -12,59 +14,163 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
+from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors
+from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class SamplingTensors:
-    temperatures: torch.Tensor  # [batch] float32; 0 = greedy
-    top_ps: torch.Tensor | None  # [batch] float32, None when every row has top_p == 1
-    top_ks: torch.Tensor | None  # [batch] int64, None when no row uses top-k; 0 = off
-    generators: list[torch.Generator | None]  # per row: its own generator (seeded request) or None
-    default_generator: torch.Generator | None  # for rows without a seed of their own (the engine's seed)
-    all_greedy: bool
-    any_greedy: bool
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs: LogprobsTensors | None = None  # for SamplingBatch.logprob_rows, in that order
+
+    def to_host(self) -> SamplerOutput:
+        """Start the copies to pinned host memory (asynchronous on CUDA: record an event, sync it before reading)."""
+        logprobs = None if self.logprobs is None else self.logprobs.to_host()
+        return SamplerOutput(copy_to_host(self.sampled_token_ids), logprobs)
 
 
-def keep_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
-    """Zero every probability outside the row's top-k and its top-p nucleus (the most likely token always stays)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
-    if top_ks is not None:
-        ranks = torch.arange(probs.shape[-1], device=probs.device)
-        drop |= (top_ks[:, None] > 0) & (ranks[None] >= top_ks[:, None])
-    if top_ps is not None:
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_ps[:, None]
-    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+class Sampler:
+    """Samples a step's rows and owns the per-request device state that sampling needs, keyed by request slot."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device, seed: int):
+        self.device = device
+        self.penalties = PenaltyState(num_slots, vocab_size, device)
+        self.generators = SeededGenerators(device)
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+
+    def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        if params.uses_penalties:
+            self.penalties.add_request(slot, prompt_token_ids)
+        if params.seed is not None and not params.greedy:
+            self.generators.add_request(slot, params.seed)
+
+    def release(self, slot: int) -> None:
+        self.penalties.release(slot)
+        self.generators.release(slot)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
+        tensors = batch.to_device(self.device, self.generators.__getitem__, self.default_generator)
+        return sample_tokens(logits.float(), tensors, self.penalties)
 
 
-def exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None], default_generator: torch.Generator | None
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingTensors, penalty_state: PenaltyState | None = None
+) -> SamplerOutput:
+    """logits [rows, vocab] float32 (modified in place) -> the sampled ids, and logprobs for the rows that asked."""
+    raw_logprobs = None
+    if params.logprob_rows is not None:
+        all_rows = len(params.logprob_rows) == len(logits)
+        raw_logprobs = (logits if all_rows else logits.index_select(0, params.logprob_rows)).log_softmax(dim=-1)
+    sampled = choose_tokens(process_logits(logits, params, penalty_state), params)
+    if params.penalties is not None:
+        penalty_state.update(params.penalties, sampled)
+    if raw_logprobs is None:
+        return SamplerOutput(sampled)
+    chosen = sampled if len(raw_logprobs) == len(sampled) else sampled.index_select(0, params.logprob_rows)
+    return SamplerOutput(sampled, compute_logprobs(raw_logprobs, chosen, params.max_num_logprobs))
+
+
+def process_logits(
+    logits: torch.Tensor, params: SamplingTensors, penalty_state: PenaltyState | None = None
 ) -> torch.Tensor:
-    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=default_generator)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    return noise
+    """What greedy rows take the argmax of: logits with logit_bias, min_tokens' bans and penalties applied."""
+    if params.adjustments is not None:
+        adjust = params.adjustments
+        logits.index_put_((adjust.rows, adjust.token_ids), adjust.values, accumulate=True)
+    if params.penalties is not None:
+        assert penalty_state is not None, "a row has penalties but the sampler got no penalty state"
+        logits = penalty_state.apply(logits, params.penalties)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """logits [rows, vocab] -> token ids [rows]. (The model runner's call; penalties need sample_tokens.)"""
+    return sample_tokens(logits.float(), params).sampled_token_ids
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    if params.all_greedy:
+        return logits.argmax(dim=-1)
+    temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
+    if params.top_ks is not None or params.top_ps is not None:
+        sampled = sample_truncated(logits, temperatures, params)
+    else:
+        noise = exponential_noise(logits, params)
+        if params.min_ps is None:
+            sampled = exponential_race(logits, temperatures, noise)
+        else:
+            sampled = exponential_race_min_p(logits, temperatures, params.min_ps.log(), noise)
+    if not params.any_greedy:
+        return sampled
+    return torch.where(params.temperatures > 0, sampled, logits.argmax(dim=-1))
 
 
 @fuse_on_cuda
 def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    return (logits.float() / temperatures[:, None] - noise.log()).argmax(dim=-1)
+    return (logits / temperatures[:, None] - noise.log()).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [batch, vocab] -> token ids [batch]."""
-    if params.all_greedy:
-        return logits.argmax(dim=-1)
-    temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
-    noise = exponential_noise(logits, params.generators, params.default_generator)
-    if params.top_ks is None and params.top_ps is None:
-        sampled_tokens = exponential_race(logits, temperatures, noise)
+@fuse_on_cuda
+def exponential_race_min_p(
+    logits: torch.Tensor, temperatures: torch.Tensor, log_min_ps: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """min-p keeps p >= min_p * p_max, i.e. logit / T >= max(logit / T) + log(min_p): no softmax needed."""
+    scaled = logits / temperatures[:, None]
+    keep = scaled >= scaled.amax(dim=-1, keepdim=True) + log_min_ps[:, None]
+    return (scaled - noise.log()).masked_fill(~keep, -torch.inf).argmax(dim=-1)
+
+
+def sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Top-k / top-p (and min-p) rows: rank the tokens, mask in rank order, race over what is left."""
+    scaled = logits / temperatures[:, None]
+    vocab_size = scaled.shape[-1]
+    if 0 < params.top_k_candidates <= vocab_size // 8:  # every row's top-k is small: no full sort needed
+        candidate_logits, candidate_ids = scaled.topk(params.top_k_candidates, dim=-1)
     else:
-        probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-        probs = keep_top_k_top_p(probs, params.top_ks, params.top_ps)
-        sampled_tokens = (probs / noise).argmax(dim=-1)
-    if not params.any_greedy:
-        return sampled_tokens
-    return torch.where(params.temperatures > 0, sampled_tokens, logits.argmax(dim=-1))
+        candidate_logits, candidate_ids = scaled.sort(dim=-1, descending=True)
+    keep = truncation_mask(candidate_logits, params)
+    noise = exponential_noise(candidate_logits, params, candidate_ids, vocab_size)
+    choice = (candidate_logits - noise.log()).masked_fill(~keep, -torch.inf).argmax(dim=-1)
+    return candidate_ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def truncation_mask(sorted_logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """sorted_logits [rows, n], descending -> which to keep. Each rule keeps a prefix, and the first token always."""
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if params.top_ks is not None:
+        keep &= (params.top_ks[:, None] <= 0) | (ranks < params.top_ks[:, None])
+    if params.min_ps is not None:
+        keep &= sorted_logits >= sorted_logits[:, :1] + params.min_ps.log()[:, None]
+    if params.top_ps is not None:
+        # top-p on the distribution that top-k / min-p left: a token stays while the kept tokens more likely than it
+        # hold less than top_p of that distribution's mass.
+        probs = sorted_logits.masked_fill(~keep, -torch.inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= mass_before < params.top_ps[:, None]
+    return keep
+
+
+def exponential_noise(
+    like: torch.Tensor,
+    params: SamplingTensors,
+    candidate_ids: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Exp(1) noise shaped like `like`. A seeded row draws one value per vocabulary token from its own generator
+    (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in."""
+    noise = torch.empty_like(like, dtype=torch.float32)
+    if any(generator is None for generator in params.generators):  # some row has no generator of its own
+        noise.exponential_(generator=params.default_generator)
+    for row, generator in enumerate(params.generators):
+        if generator is None:
+            continue
+        if candidate_ids is None:
+            noise[row].exponential_(generator=generator)
+        else:
+            row_noise = torch.empty(vocab_size, device=like.device).exponential_(generator=generator)
+            noise[row] = row_noise.index_select(0, candidate_ids[row])
+    return noise

@@ -6,6 +6,7 @@ Hugging Face parameter names, read lazily so that each tensor-parallel rank read
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,16 @@ class Checkpoint:
 
 
 def open_checkpoint(
-    model: str | None, tokenizer: str | None = None, load_tokenizer: bool = True, convert_gguf: bool = True
+    model: str | os.PathLike | None,
+    tokenizer: str | os.PathLike | None = None,
+    load_tokenizer: bool = True,
+    convert_gguf: bool = True,
 ) -> Checkpoint:
-    """convert_gguf: a GGUF file without a cached conversion is converted and cached now (the engine's rank 0 does
+    """`tokenizer`: a local tokenizer directory that replaces the model's own (never a hub id).
+    convert_gguf: a GGUF file without a cached conversion is converted and cached now (the engine's rank 0 does
     this); otherwise its tensors are dequantized straight from the file, each when read."""
+    if tokenizer is not None:
+        tokenizer = str(Path(tokenizer).expanduser())
     if model is None:
         from pagedllm.loader.default_model import default_model_path
 

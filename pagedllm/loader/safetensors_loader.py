@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
@@ -27,11 +27,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def open_safetensors(path: Path):
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:  # a truncated, empty or corrupt file fails on its header
+        raise ValueError(f"{path} is not a readable .safetensors file (truncated or corrupt?): {error}") from None
+
+
 def iterate_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
     """Lazily: read each tensor (the part of it that is needed) before asking for the next one, since a file is
     closed once all of its tensors have been yielded."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 part = handle.get_slice(name)
                 yield name, CheckpointTensor.lazy(name, tuple(part.get_shape()), part.__getitem__, dtype)

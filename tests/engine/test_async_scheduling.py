@@ -4,6 +4,7 @@ on a stop token or at max_tokens at different steps, give every request the toke
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 
@@ -51,7 +52,7 @@ def setup(llama_dir):
             params = request_params(index, ending, free_runs[index])
             output = sync.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
             references[index, ending] = (params, output.token_ids, output.finish_reason)
-    eos_ends = [key for key, (_, _, reason) in references.items() if key[1] == "eos" and reason == "stop"]
+    eos_ends = [key for key, value in references.items() if key[1] == "eos" and value[2] == "stop"]
     assert len(eos_ends) >= 4, "the test needs requests that really end on EOS"
     engines = {
         "default": LLM(llama_dir, async_scheduling=True),
@@ -60,7 +61,7 @@ def setup(llama_dir):
     }
     for llm in engines.values():
         set_eos(llm, eos_token)
-    return references, engines
+    return sync, references, engines
 
 
 operation = st.one_of(
@@ -72,12 +73,14 @@ operation = st.one_of(
 
 @pytest.mark.parametrize("engine_name", ["default", "chunked", "preempting"])
 def test_async_scheduling_changes_no_output(setup, engine_name):
-    references, engines = setup
+    sync, references, engines = setup
     llm = engines[engine_name]
     engine = llm.llm_engine
     preemptions_before = engine.scheduler.num_preemptions
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+    examples = int(os.environ.get("ASYNC_EXAMPLES", 60))  # raise it to search harder
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
     @given(operations=st.lists(operation, min_size=1, max_size=40))
     def run(operations):
         added: list[tuple[str, tuple[int, str]]] = []
@@ -116,5 +119,25 @@ def test_async_scheduling_changes_no_output(setup, engine_name):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
     run()
-    if engine_name == "preempting":
+    if engine_name == "preempting":  # random programs may not preempt: this one must (5 x 2 blocks > 5 blocks)
+        batch = [{"prompt_token_ids": [2 + index] * 14} for index in range(5)]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        expected = [sync.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids for prompt in batch]
+        assert [output.outputs[0].token_ids for output in llm.generate(batch, params, use_tqdm=False)] == expected
         assert engine.scheduler.num_preemptions > preemptions_before
+
+
+def test_aborting_every_request_in_flight_leaves_nothing_unfinished(setup):
+    """generate() cleans up a failed run by aborting its requests; with a step in flight, the engine must then
+    report nothing unfinished at once, not one step later."""
+    engine = setup[2]["default"].llm_engine
+    for index in range(3):
+        engine.add_request(f"x{index}", {"prompt_token_ids": PROMPTS[index]}, SamplingParams(max_tokens=8))
+    engine.step()
+    engine.step()
+    assert engine.pipeline.in_flight is not None
+    for index in range(3):
+        engine.abort_request(f"x{index}")
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

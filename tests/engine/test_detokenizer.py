@@ -1,14 +1,45 @@
-"""Incremental detokenization: the streamed pieces add up to the full decode, and never split a character."""
+"""Incremental detokenization: the streamed pieces add up to the full decode and never split a character; stop
+strings end the text even across tokens; streamed text never shows what a stop string removes."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import train_tokenizer
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.sampling_params import SamplingParams
+
+TEXT = " France is Paris, the capital. The end."
 
 
-def test_streamed_text_equals_full_decode():
-    tokenizer = train_tokenizer()
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+def run(tokenizer, params: SamplingParams) -> tuple[IncrementalDetokenizer, list[tuple[str, str]], int]:
+    """Feed TEXT's tokens one by one until a stop string ends it; returns the detokenizer, (what a stream showed,
+    the whole text so far) after each token, and how many tokens were fed."""
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The capital of"), params)
+    shown = []
+    num_fed = 0
+    for token_id in tokenizer.encode(TEXT):
+        num_fed += 1
+        stop = detokenizer.update([token_id])
+        if stop is not None:
+            break
+        shown.append((detokenizer.output_text(finished=False), detokenizer.text))
+    detokenizer.finish()
+    return detokenizer, shown, num_fed
+
+
+def tokens_until(tokenizer, substring: str) -> int:
+    """How many of TEXT's tokens it takes for their text to contain substring."""
+    ids = tokenizer.encode(TEXT)
+    return next(n for n in range(1, len(ids) + 1) if substring in tokenizer.decode(ids[:n]))
+
+
+def test_streamed_text_equals_full_decode(tokenizer):
     prompt = tokenizer.encode("The capital of")
     text = " France is Paris — café 🍷 naïve 東京 def f(x): return x**2"
     output_ids = tokenizer.encode(text)
@@ -17,3 +48,79 @@ def test_streamed_text_equals_full_decode():
     assert "".join(pieces) == detokenizer.text == tokenizer.decode(output_ids)
     assert all("\ufffd" not in piece for piece in pieces)  # multi-byte characters wait until complete
     assert any(piece == "" for piece in pieces)  # ...which this byte-level text forces at least once
+
+
+def test_stop_string_across_tokens_ends_the_text_before_it(tokenizer):
+    assert tokens_until(tokenizer, "is Pa") - tokens_until(tokenizer, "i") == 2  # " is", " ", "Paris"
+    detokenizer, _, num_fed = run(tokenizer, SamplingParams(stop=["is Pa"]))
+    assert detokenizer.text == " France " and detokenizer.stop_reason == "is Pa"
+    assert num_fed == tokens_until(tokenizer, "is Pa")  # it stops on the token that completes the stop string
+
+
+def test_earliest_of_several_stop_strings_wins_whatever_their_order(tokenizer):
+    # Both complete on the token " capital"; "capi" starts first.
+    detokenizer, _, _ = run(tokenizer, SamplingParams(stop=["The end", "pital", "capi"]))
+    assert detokenizer.text == " France is Paris, the " and detokenizer.stop_reason == "capi"
+
+
+def test_include_stop_str_in_output_keeps_it_and_drops_what_follows(tokenizer):
+    detokenizer, shown, _ = run(tokenizer, SamplingParams(stop=["capi"], include_stop_str_in_output=True))
+    assert detokenizer.text == " France is Paris, the capi"  # "tal" came in the same token: gone
+    assert shown[-1] == (" France is Paris, the",) * 2  # no holdback needed: nothing shown can be removed
+
+
+@pytest.mark.parametrize("stop", [["is Pa"], ["Paris, the", "x"], ["e"], [" The end.", "ital"]])
+def test_streaming_never_shows_text_that_a_stop_string_removes(tokenizer, stop):
+    detokenizer, shown, _ = run(tokenizer, SamplingParams(stop=stop))
+    final = detokenizer.output_text(finished=True)
+    assert final == detokenizer.text and detokenizer.stop_reason is not None
+    assert all(final.startswith(streamed) for streamed, _ in shown), (shown, final)
+    held_back = any(streamed != text for streamed, text in shown)
+    assert held_back == (max(map(len, stop)) > 1)  # a one-character stop string removes nothing already decoded
+
+
+def test_stream_deltas_add_up_to_the_final_text(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, [5], SamplingParams(stop=["capital."]))
+    deltas = []
+    for token_id in tokenizer.encode(TEXT):
+        finished = detokenizer.update([token_id]) is not None
+        deltas.append(detokenizer.new_output_text(finished))
+        if finished:
+            break
+    assert "".join(deltas) == " France is Paris, the " and any(deltas) and "" in deltas
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    # " is" is the second token: too early with min_tokens=3, so the next "is", inside "Paris", stops it.
+    detokenizer, _, _ = run(tokenizer, SamplingParams(stop=["is"], min_tokens=3))
+    assert detokenizer.text == " France is Par"
+    detokenizer, _, _ = run(tokenizer, SamplingParams(stop=["is"]))
+    assert detokenizer.text == " France "
+
+
+def test_stop_token_text_is_left_out_unless_included(tokenizer):
+    ids = tokenizer.encode(" the capital")
+    for include, expected in ((False, " the"), (True, " the capital")):
+        detokenizer = IncrementalDetokenizer(tokenizer, [5], SamplingParams(include_stop_str_in_output=include))
+        detokenizer.update(ids, stop_terminated=True)
+        assert detokenizer.text == expected
+
+
+def test_incomplete_trailing_character_shows_as_replacement_when_finished(tokenizer):
+    ids = tokenizer.encode("x 🍷")[:-1]  # the glass's last byte never came
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The"))
+    for token_id in ids:
+        detokenizer.add(token_id)
+    assert detokenizer.text == "x "  # while running, half a character waits
+    detokenizer.finish()
+    assert detokenizer.text == tokenizer.decode(ids) == "x \ufffd"
+
+
+def test_skip_special_tokens(tokenizer):
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    ids = tokenizer.encode(" the") + [bos] + tokenizer.encode(" end")
+    for skip, expected in ((True, " the end"), (False, " the<s> end")):
+        detokenizer = IncrementalDetokenizer(tokenizer, [5], SamplingParams(skip_special_tokens=skip))
+        detokenizer.update(ids)
+        detokenizer.finish()
+        assert detokenizer.text == expected == tokenizer.decode(ids, skip_special_tokens=skip)

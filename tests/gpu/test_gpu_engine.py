@@ -110,3 +110,41 @@ def test_preemption_changes_nothing(tiny_model_dirs):
     assert tokens(llm, batch) == eager_tokens(tiny_model_dirs, "float32", batch=batch)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.block_manager.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_with_stops_changes_nothing(tiny_model_dirs, dtype):
+    """16 requests that each reach a stop token at a different step, with graphs and async scheduling on (the CUDA
+    default), give the tokens the synchronous engine gives; then an abort while a step is in flight and a new
+    arrival mid-run leave the others untouched and no block held."""
+    rng = random.Random(5)
+    batch = [
+        {"prompt_token_ids": [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randrange(3, 60))]} for _ in range(16)
+    ]
+    sync = LLM(tiny_model_dirs["qwen3"], dtype=dtype, async_scheduling=False, **SMALL)
+    free = tokens(sync, batch)
+    params = [
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=[run[1 + index % (NEW_TOKENS - 1)]])
+        for index, run in enumerate(free)
+    ]
+    expected = [output.outputs[0].token_ids for output in sync.generate(batch, params, use_tqdm=False)]
+    assert len({len(run) for run in expected}) > 4, "requests must stop at different steps"
+    overlapped = LLM(tiny_model_dirs["qwen3"], dtype=dtype, **SMALL)
+    assert overlapped.llm_engine.async_scheduling and overlapped.llm_engine.worker.graphs is not None
+    assert [output.outputs[0].token_ids for output in overlapped.generate(batch, params, use_tqdm=False)] == expected
+
+    engine = overlapped.llm_engine
+    for index in range(8):
+        engine.add_request(f"a{index}", batch[index], params[index])
+    finished = {}
+    for step in range(40):
+        if step == 2:
+            engine.abort_request("a0")
+        if step == 3:
+            engine.add_request("late", batch[8], params[8])
+        finished |= {output.request_id: output for output in engine.step() if output.finished}
+    assert not engine.has_unfinished_requests()
+    assert set(finished) == {f"a{index}" for index in range(1, 8)} | {"late"}
+    assert [finished[f"a{index}"].outputs[0].token_ids for index in range(1, 8)] == expected[1:8]
+    assert finished["late"].outputs[0].token_ids == expected[8]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import SamplingTensors, keep_top_k_top_p, sample
+from pagedllm.layers.sampler import Sampler, SamplingTensors, sample, truncation_mask
+from pagedllm.layers.sampling_batch import build_sampling_batch
 
 
 def tensors(temperatures, top_ps=None, top_ks=None, generators=None, seed=0) -> SamplingTensors:
@@ -33,10 +34,14 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert sample(logits, tensors([1.0] * 8, top_ps=[1e-6] * 8)).tolist() == logits.argmax(-1).tolist()
 
 
-def test_keep_top_k_top_p_masks():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
-    kept = keep_top_k_top_p(probs, top_ks=torch.tensor([2, 0]), top_ps=torch.tensor([1.0, 0.6]))
-    assert torch.equal(kept > 0, torch.tensor([[True, True, False, False], [False, False, True, True]]))
+def test_truncation_mask_keeps_top_k_and_the_renormalised_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    params = tensors([1.0] * 3, top_ps=[1.0, 0.72, 0.72], top_ks=[2, 0, 3])
+    keep = truncation_mask(probs.log(), params)
+    # Row 1: 0.4 + 0.3 < 0.72, so the third token stays. Row 2: top-p runs on the top 3 renormalised
+    # (0.44, 0.33, 0.22), where 0.44 + 0.33 already reach 0.72.
+    expected = [[True, True, False, False], [True, True, True, False], [True, True, False, False]]
+    assert keep.tolist() == expected
 
 
 def test_samples_follow_the_softmax_distribution():
@@ -58,3 +63,56 @@ def test_seeded_request_is_reproducible_whatever_the_batch(llama_dir):
     assert alone == in_batch
     different_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
     assert llm.generate(prompt, different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def run_sampler(params: list[SamplingParams], logits: torch.Tensor, seed: int = 0, steps: int = 1) -> list[list[int]]:
+    """Each row's tokens over `steps` calls on the same logits, with a fresh Sampler whose slots are the rows."""
+    sampler = Sampler(num_slots=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=seed)
+    for slot, p in enumerate(params):
+        sampler.add_request(slot, p, prompt_token_ids=[0])
+    batch = build_sampling_batch(params, slots=list(range(len(params))))
+    return torch.stack([sampler(logits.clone(), batch).sampled_token_ids for _ in range(steps)], dim=1).tolist()
+
+
+def test_top_k_one_and_tiny_temperatures_are_greedy_next_to_random_rows():
+    logits = torch.randn(8, 1000)
+    greedy_like = [SamplingParams(top_k=1), SamplingParams(temperature=0), SamplingParams(temperature=1e-6)]
+    greedy_like.append(SamplingParams(temperature=1e-40, top_p=0.5))
+    params = greedy_like + [SamplingParams(top_p=0.9), SamplingParams(min_p=0.1), SamplingParams(), SamplingParams()]
+    tokens = run_sampler(params, logits, steps=3)
+    for row in range(len(greedy_like)):
+        assert tokens[row] == [logits[row].argmax().item()] * 3
+    assert len({token for row in tokens[4:] for token in row}) > 3  # the others do sample
+
+
+SEEDED = [
+    SamplingParams(seed=7),
+    SamplingParams(seed=8, top_k=20),
+    SamplingParams(seed=9, top_p=0.8),
+    SamplingParams(seed=10, min_p=0.05, temperature=0.7),
+    SamplingParams(seed=11, top_k=30, top_p=0.9, min_p=0.01, temperature=1.2),
+]
+
+
+def test_seeded_rows_draw_the_same_alone_and_in_any_batch():
+    """Alone, a seeded row takes the race or topk path; in the mixed batch the full sort: same tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(len(SEEDED), 500) * 2
+    others = [SamplingParams(top_p=0.5), SamplingParams(temperature=0), SamplingParams(seed=3, top_k=40)]
+    others += [SamplingParams(presence_penalty=0.5, min_p=0.2), SamplingParams(temperature=0.3)]
+    mixed_params = others[:2] + SEEDED + others[2:]
+    mixed_logits = torch.cat([torch.randn(2, 500), logits, torch.randn(3, 500)])
+    in_batch = run_sampler(mixed_params, mixed_logits, seed=1, steps=6)[2 : 2 + len(SEEDED)]
+    for row, params in enumerate(SEEDED):
+        alone = run_sampler([params], logits[row : row + 1], seed=2, steps=6)[0]
+        assert alone == in_batch[row], params
+        assert len(set(alone)) > 1  # it samples
+    reseeded = [SamplingParams(seed=p.seed + 100, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p) for p in SEEDED]
+    assert run_sampler(reseeded, logits, steps=6) != in_batch
+
+
+def test_sampler_output_copies_to_the_host():
+    logits = torch.randn(3, 40)
+    batch = build_sampling_batch([SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)])
+    output = Sampler(3, 40, torch.device("cpu"), seed=0)(logits, batch).to_host()
+    assert output.sampled_token_ids.shape == (3,) and output.logprobs.top_token_ids.shape == (2, 2)

@@ -1,0 +1,84 @@
+"""Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) that
+each bench run triggers after start-up, and time the runs.
+
+Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
+(TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from pagedllm import LLM
+from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+
+
+def triton_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
+    import pagedllm.kernels.decode_attention as decode
+    import pagedllm.kernels.kv_store as store
+    import pagedllm.kernels.prefill_attention as prefill
+
+    kernels = {}
+    for module in (decode, store, prefill):
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                kernels[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = value
+    return kernels
+
+
+def specialisations(kernel) -> set:
+    caches = getattr(kernel, "device_caches", {})
+    return {key for cache in caches.values() for key in cache[0]}
+
+
+def snapshot() -> tuple[dict[str, set], int]:
+    from torch._dynamo.utils import counters
+
+    return {name: specialisations(k) for name, k in triton_kernels().items()}, counters["stats"]["unique_graphs"]
+
+
+def report(label: str, before, after) -> None:
+    kernels_before, graphs_before = before
+    kernels_after, graphs_after = after
+    new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
+    total = sum(len(keys) for keys in new.values())
+    print(f"{label}: {total} new Triton specialisations, {graphs_after - graphs_before} new torch.compile graphs")
+    for name, keys in new.items():
+        for key in keys:
+            print(f"    {name}: {str(key)[:300]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
+    args = parser.parse_args()
+    checkpoint = Path(args.checkpoint_dir) / args.shape
+    if not (checkpoint / "model.safetensors").exists():
+        write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
+    prompts, output_lens = nano_vllm_workload(args.num_seqs)
+    start = time.perf_counter()
+    before = snapshot()
+    llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True)
+    print(f"start-up {time.perf_counter() - start:.1f} s")
+    report("start-up", before, before := snapshot())
+    timed_run(llm, prompts[:8], [16] * 8)
+    report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
+    for index in range(args.runs):
+        result = timed_run(llm, prompts, output_lens)
+        print(
+            f"run {index}: {result.tokens_per_s:,.0f} tok/s (prefill {result.prefill_s:.2f} s, "
+            f"decode {result.decode_s:.2f} s)"
+        )
+        report(f"run {index}", before, before := snapshot())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Turn the sampler's logprob tensors (on the host) into the per-position dicts of vLLM's outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pagedllm.outputs import Logprob, PositionLogprobs
+
+if TYPE_CHECKING:
+    from pagedllm.layers.logprobs import LogprobsTensors
+
+
+def position_logprobs(
+    logprobs: LogprobsTensors,
+    chosen_token_ids: list[int],
+    num_logprobs: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> list[PositionLogprobs]:
+    """Row i: the chosen token first, then the row's top num_logprobs[i] tokens (rank 1, 2, ...).
+    decode: a token id's text for Logprob.decoded_token (None leaves it None)."""
+    top_ids, top_logprobs = logprobs.top_token_ids.tolist(), logprobs.top_logprobs.tolist()
+    token_logprobs, token_ranks = logprobs.token_logprobs.tolist(), logprobs.token_ranks.tolist()
+    text = decode or (lambda token_id: None)
+    positions = []
+    for row, token_id in enumerate(chosen_token_ids):
+        entries = {token_id: Logprob(token_logprobs[row], token_ranks[row], text(token_id))}
+        for rank, (top_id, top_logprob) in enumerate(zip(top_ids[row][: num_logprobs[row]], top_logprobs[row]), 1):
+            entries.setdefault(top_id, Logprob(top_logprob, rank, text(top_id)))
+        positions.append(entries)
+    return positions

@@ -1,0 +1,38 @@
+"""Logprobs on the device: each row's top-N tokens, and the logprob and rank of one chosen token per row
+(the sampled token, or for prompt logprobs the next prompt token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    top_token_ids: torch.Tensor  # [rows, N] int64, most likely first
+    top_logprobs: torch.Tensor  # [rows, N] float32
+    token_logprobs: torch.Tensor  # [rows] float32: the chosen token's logprob
+    token_ranks: torch.Tensor  # [rows] int64: 1 + how many tokens are strictly more likely than the chosen one
+
+    def to_host(self) -> LogprobsTensors:
+        return LogprobsTensors(*(copy_to_host(tensor) for tensor in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.top_token_ids, self.top_logprobs, self.token_logprobs, self.token_ranks
+
+
+def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to pinned host memory; the caller syncs (an event) before reading it."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """logprobs [rows, vocab] (a log_softmax), token_ids [rows]: the chosen tokens. num_top may be 0."""
+    top_logprobs, top_token_ids = logprobs.topk(num_top, dim=-1)
+    token_logprobs = logprobs.gather(1, token_ids[:, None])
+    token_ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    return LogprobsTensors(top_token_ids, top_logprobs, token_logprobs.squeeze(1), token_ranks)

@@ -1,0 +1,207 @@
+"""One step's per-row sampling settings: host arrays built from SamplingParams (plain data a step plan can carry),
+and the same settings as tensors on the sampling device. A feature no row uses is None and costs nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Host side, one entry per sampled row. Rows are positions in the step's logits; slots are the per-request
+    indices (0..max_num_seqs-1) of the device-side state (penalty counts, seeded generators)."""
+
+    temperatures: np.ndarray  # [rows] float32; 0 = greedy
+    top_ps: np.ndarray | None = None  # [rows] float32
+    top_ks: np.ndarray | None = None  # [rows] int64; 0 = off
+    min_ps: np.ndarray | None = None  # [rows] float32
+    # > 0: every non-greedy row keeps at most this many tokens, so topk() of that many replaces a full sort.
+    top_k_candidates: int = 0
+    seeded_rows: np.ndarray | None = None  # [seeded] int64: rows drawing from their request's own generator
+    seeded_slots: np.ndarray | None = None  # [seeded] int64
+    # Sparse additions to the logits: logit_bias, and -inf for EOS / stop_token_ids of rows still below min_tokens.
+    adjusted_rows: np.ndarray | None = None  # [n] int64
+    adjusted_token_ids: np.ndarray | None = None  # [n] int64
+    adjustments: np.ndarray | None = None  # [n] float32
+    penalty_rows: np.ndarray | None = None  # [p] int64: rows with any penalty
+    penalty_slots: np.ndarray | None = None  # [p] int64
+    presence_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
+    frequency_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
+    repetition_penalties: np.ndarray | None = None  # [p] float32; None when all are 1
+    logprob_rows: np.ndarray | None = None  # [r] int64: rows that asked for logprobs
+    num_logprobs: np.ndarray | None = None  # [r] int64: how many top logprobs each of them asked for
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperatures)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.temperatures.any()
+
+    @property
+    def any_greedy(self) -> bool:
+        return not self.temperatures.all()
+
+    def to_device(
+        self,
+        device: torch.device,
+        generator_for_slot: Callable[[int], torch.Generator],
+        default_generator: torch.Generator | None,
+    ) -> SamplingTensors:
+        """Upload every array (asynchronously on CUDA) and look up the seeded rows' generators."""
+        generators: list[torch.Generator | None] = [None] * self.num_rows
+        if self.seeded_rows is not None:
+            for row, slot in zip(self.seeded_rows.tolist(), self.seeded_slots.tolist()):
+                generators[row] = generator_for_slot(slot)
+        upload = lambda array: None if array is None else upload_array(array, device)
+        adjustments = None
+        if self.adjusted_rows is not None:
+            adjustments = LogitAdjustments(
+                upload(self.adjusted_rows), upload(self.adjusted_token_ids), upload(self.adjustments)
+            )
+        penalties = None
+        if self.penalty_rows is not None:
+            penalties = PenaltyTensors(
+                rows=None if len(self.penalty_rows) == self.num_rows else upload(self.penalty_rows),
+                slots=upload(self.penalty_slots),
+                presence=upload(self.presence_penalties),
+                frequency=upload(self.frequency_penalties),
+                repetition=upload(self.repetition_penalties),
+            )
+        return SamplingTensors(
+            temperatures=upload(self.temperatures),
+            top_ps=upload(self.top_ps),
+            top_ks=upload(self.top_ks),
+            generators=generators,
+            default_generator=default_generator,
+            all_greedy=self.all_greedy,
+            any_greedy=self.any_greedy,
+            min_ps=upload(self.min_ps),
+            top_k_candidates=self.top_k_candidates,
+            adjustments=adjustments,
+            penalties=penalties,
+            logprob_rows=upload(self.logprob_rows),
+            max_num_logprobs=0 if self.num_logprobs is None else int(self.num_logprobs.max()),
+        )
+
+
+def upload_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class LogitAdjustments:
+    rows: torch.Tensor  # [n] int64
+    token_ids: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] float32: added to logits[rows, token_ids]
+
+
+@dataclass(slots=True)
+class PenaltyTensors:
+    rows: torch.Tensor | None  # [p] int64; None: every row
+    slots: torch.Tensor  # [p] int64: each row's slot in the PenaltyState
+    presence: torch.Tensor | None  # [p] float32; None: all 0
+    frequency: torch.Tensor | None  # [p] float32; None: all 0
+    repetition: torch.Tensor | None  # [p] float32; None: all 1
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Device side, one entry per sampled row. A None field: no row of the batch uses that feature."""
+
+    temperatures: torch.Tensor  # [rows] float32; 0 = greedy
+    top_ps: torch.Tensor | None  # [rows] float32
+    top_ks: torch.Tensor | None  # [rows] int64; 0 = off
+    generators: list[torch.Generator | None]  # per row: its own generator (seeded request) or None
+    default_generator: torch.Generator | None  # for rows without a seed of their own (the engine's seed)
+    all_greedy: bool
+    any_greedy: bool
+    min_ps: torch.Tensor | None = None  # [rows] float32
+    top_k_candidates: int = 0  # see SamplingBatch
+    adjustments: LogitAdjustments | None = None
+    penalties: PenaltyTensors | None = None
+    logprob_rows: torch.Tensor | None = None  # [r] int64
+    max_num_logprobs: int = 0  # the largest top-N among logprob_rows
+
+
+def build_sampling_batch(
+    params: Sequence[SamplingParams],
+    slots: Sequence[int] | None = None,
+    num_output_tokens: Sequence[int] | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> SamplingBatch:
+    """params[i] is row i's request. slots: each row's request slot (needed when a row has penalties or a seed).
+    num_output_tokens: tokens each row's request has generated before this sample (needed for min_tokens)."""
+    temperatures = np.array([p.temperature for p in params], dtype=np.float32)
+    batch = SamplingBatch(temperatures)
+    random_rows = temperatures > 0
+    if any(p.top_p < 1 for p in params):
+        batch.top_ps = np.array([p.top_p for p in params], dtype=np.float32)
+    if any(p.top_k > 0 for p in params):
+        batch.top_ks = np.array([p.top_k for p in params], dtype=np.int64)
+        if batch.top_ks[random_rows].all():
+            batch.top_k_candidates = int(batch.top_ks.max())
+    if any(p.min_p > 0 for p in params):
+        batch.min_ps = np.array([p.min_p for p in params], dtype=np.float32)
+    seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if seeded:
+        assert slots is not None, "seeded rows need their request slots"
+        batch.seeded_rows = np.array(seeded, dtype=np.int64)
+        batch.seeded_slots = np.array([slots[row] for row in seeded], dtype=np.int64)
+    add_adjustments(batch, params, num_output_tokens, eos_token_ids)
+    add_penalties(batch, params, slots)
+    asked = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if asked:
+        batch.logprob_rows = np.array(asked, dtype=np.int64)
+        batch.num_logprobs = np.array([params[row].logprobs for row in asked], dtype=np.int64)
+    return batch
+
+
+def add_adjustments(
+    batch: SamplingBatch,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int] | None,
+    eos_token_ids: frozenset[int],
+) -> None:
+    rows, token_ids, values = [], [], []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows += [row] * len(p.logit_bias)
+            token_ids += p.logit_bias.keys()
+            values += p.logit_bias.values()
+        if p.min_tokens:
+            assert num_output_tokens is not None, "min_tokens needs each row's number of output tokens"
+            if num_output_tokens[row] < p.min_tokens:  # EOS and stop tokens cannot be sampled yet
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+                rows += [row] * len(banned)
+                token_ids += banned
+                values += [-np.inf] * len(banned)
+    if rows:
+        batch.adjusted_rows = np.array(rows, dtype=np.int64)
+        batch.adjusted_token_ids = np.array(token_ids, dtype=np.int64)
+        batch.adjustments = np.array(values, dtype=np.float32)
+
+
+def add_penalties(batch: SamplingBatch, params: Sequence[SamplingParams], slots: Sequence[int] | None) -> None:
+    rows = [row for row, p in enumerate(params) if p.uses_penalties]
+    if not rows:
+        return
+    assert slots is not None, "rows with penalties need their request slots"
+    batch.penalty_rows = np.array(rows, dtype=np.int64)
+    batch.penalty_slots = np.array([slots[row] for row in rows], dtype=np.int64)
+    presence = np.array([params[row].presence_penalty for row in rows], dtype=np.float32)
+    frequency = np.array([params[row].frequency_penalty for row in rows], dtype=np.float32)
+    repetition = np.array([params[row].repetition_penalty for row in rows], dtype=np.float32)
+    batch.presence_penalties = presence if presence.any() else None
+    batch.frequency_penalties = frequency if frequency.any() else None
+    batch.repetition_penalties = repetition if (repetition != 1).any() else None

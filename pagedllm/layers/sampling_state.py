@@ -1,0 +1,95 @@
+"""Per-request sampling state that lives on the sampling device, keyed by the request's slot (0..max_num_seqs-1):
+token counts for the penalties, and the generators of seeded requests."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.sampling_batch import PenaltyTensors
+
+
+class PenaltyState:
+    """Each slot's output-token counts and prompt-token mask, as [num_slots, vocab] tensors allocated with the first
+    request that uses a penalty. Counts are updated on the device from the sampled ids: no host sync, so steps can
+    be queued ahead of their results."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
+        self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, device
+        self.output_counts: torch.Tensor | None = None  # [num_slots, vocab] int32
+        self.prompt_mask: torch.Tensor | None = None  # [num_slots, vocab] bool
+        self.active_slots: set[int] = set()
+
+    def add_request(self, slot: int, prompt_token_ids: list[int]) -> None:
+        assert 0 <= slot < self.num_slots and slot not in self.active_slots, f"slot {slot} is taken or out of range"
+        if self.output_counts is None:
+            shape = (self.num_slots, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.active_slots.add(slot)
+        self.output_counts[slot].zero_()  # queued after any update still in flight for the slot's last owner
+        self.prompt_mask[slot].zero_()
+        prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
+        if self.device.type != "cpu":
+            prompt = prompt.pin_memory().to(self.device, non_blocking=True)
+        self.prompt_mask[slot].index_fill_(0, prompt, True)
+
+    def release(self, slot: int) -> None:
+        self.active_slots.discard(slot)
+
+    def apply(self, logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+        """Penalise the rows of logits [rows, vocab] float32 (in place where they are a subset) and return them."""
+        assert self.output_counts is not None, "a row has penalties but no request was added with them"
+        counts = self.output_counts.index_select(0, penalties.slots)
+        prompt_mask = self.prompt_mask.index_select(0, penalties.slots) if penalties.repetition is not None else None
+        rows = logits if penalties.rows is None else logits.index_select(0, penalties.rows)
+        penalised = penalise(rows, counts, prompt_mask, penalties.presence, penalties.frequency, penalties.repetition)
+        if penalties.rows is None:
+            return penalised
+        return logits.index_copy_(0, penalties.rows, penalised)
+
+    def update(self, penalties: PenaltyTensors, sampled_token_ids: torch.Tensor) -> None:
+        """Count each penalised row's sampled token (queued on the device, nothing waits)."""
+        tokens = sampled_token_ids if penalties.rows is None else sampled_token_ids.index_select(0, penalties.rows)
+        one = torch.ones((), dtype=torch.int32, device=tokens.device).expand(tokens.shape)
+        self.output_counts.index_put_((penalties.slots, tokens), one, accumulate=True)
+
+
+@fuse_on_cuda
+def penalise(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+    presence: torch.Tensor | None,
+    frequency: torch.Tensor | None,
+    repetition: torch.Tensor | None,
+) -> torch.Tensor:
+    """vLLM's definitions. repetition: a token seen in the prompt or the output has its logit divided by the
+    penalty if positive, multiplied if not. frequency: minus penalty x count in the output. presence: minus penalty
+    once if the token is in the output."""
+    in_output = counts > 0
+    if repetition is not None:
+        scale = torch.where(prompt_mask | in_output, repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    if frequency is not None:
+        logits = logits - frequency[:, None] * counts
+    if presence is not None:
+        logits = logits - presence[:, None] * in_output
+    return logits
+
+
+class SeededGenerators:
+    """The torch.Generator of each seeded request, by slot: its draws depend on nothing else in the batch."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.by_slot: dict[int, torch.Generator] = {}
+
+    def add_request(self, slot: int, seed: int) -> None:
+        self.by_slot[slot] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def release(self, slot: int) -> None:
+        self.by_slot.pop(slot, None)
+
+    def __getitem__(self, slot: int) -> torch.Generator:
+        return self.by_slot[slot]
