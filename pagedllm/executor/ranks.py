@@ -44,8 +44,12 @@ def is_rank_zero() -> bool:
 def check_tensor_parallel(config: EngineConfig, spec: DecoderSpec, device: torch.device) -> None:
     """Every reason tensor_parallel_size cannot work, as a ValueError, before any process starts."""
     size = config.tensor_parallel_size
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor_parallel_size={size} runs on CPU (gloo) or CUDA GPUs (NCCL), not on {device}")
+    backend = model_backend(device)
+    if not (dist.is_available() and getattr(dist, f"is_{backend}_available")()):
+        raise ValueError(
+            f"tensor_parallel_size={size} on {device.type} needs torch.distributed with {backend}, which this torch "
+            "build lacks; use tensor_parallel_size=1 or a torch build that has it"
+        )
     check_tensor_parallel_size(spec, size)
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) != size:
         raise ValueError(
@@ -67,6 +71,10 @@ def check_tensor_parallel(config: EngineConfig, spec: DecoderSpec, device: torch
         )
 
 
+def model_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def rank_device(device: torch.device, rank_on_host: int) -> torch.device:
     """GPU ranks take consecutive GPUs from the configured one; CPU ranks all run on the CPU."""
     if device.type == "cuda":
@@ -80,8 +88,7 @@ def join_group(rank: int, size: int, device: torch.device, store: dist.Store | N
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rendezvous = {"store": store} if store is not None else {"init_method": "env://"}
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **rendezvous)
+    dist.init_process_group(model_backend(device), rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **rendezvous)
     host_group = dist.new_group(backend="gloo", timeout=PLAN_WAIT_TIMEOUT)
     return TensorParallelGroup(rank, size, dist.group.WORLD, host_group)
 

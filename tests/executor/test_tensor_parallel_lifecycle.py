@@ -128,11 +128,14 @@ def expected_tokens(llama_dir) -> list[list[int]]:
 def test_impossible_settings_raise_before_any_process_starts(llama_dir, monkeypatch):
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         LLM(llama_dir, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="runs on CPU .* or CUDA GPUs .*, not on meta"):
-        LLM(llama_dir, tensor_parallel_size=2, device="meta")
     with monkeypatch.context() as patch:
+        patch.setattr(torch.distributed, "is_gloo_available", lambda: False)
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 on cpu needs torch.distributed with gloo"):
+            LLM(llama_dir, tensor_parallel_size=2)
+    with monkeypatch.context() as patch:  # one GPU that has NCCL
         patch.setattr(torch.cuda, "is_available", lambda: True)
         patch.setattr(torch.cuda, "device_count", lambda: 1)
+        patch.setattr(torch.distributed, "is_nccl_available", lambda: True)
         with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs on this host .* torch sees 1"):
             LLM(llama_dir, tensor_parallel_size=2, device="cuda")
     with monkeypatch.context() as patch:
