@@ -56,6 +56,7 @@ def make_executor(
 class GroupState:
     ended: bool = False
     failed: bool = False  # the ranks are out of step: no shutdown can be sent, they are stopped instead
+    threads_before: int | None = None  # this process's torch threads before CPU ranks shared them out
 
 
 class DistributedExecutor:
@@ -78,9 +79,12 @@ class DistributedExecutor:
                 serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, self.tp))
                 raise SystemExit(0)
         else:
-            self.ranks = SpawnedRanks(config, max_model_len, device, dtype)
+            if device.type == "cpu":  # CPU ranks share this host's cores: each gets 1/size of this process's threads
+                self.state.threads_before = torch.get_num_threads()
+                torch.set_num_threads(max(1, self.state.threads_before // size))
             device = rank_device(device, 0)
             try:
+                self.ranks = SpawnedRanks(config, max_model_len, device, dtype, torch.get_num_threads())
                 self.ranks.wait_until_joining()
                 self.tp = join_group(0, size, device, self.ranks.store)
             except BaseException as error:
@@ -175,3 +179,5 @@ def end_group(
         ranks.stop(0.0 if state.failed else STOP_TIMEOUT_S)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if state.threads_before is not None:
+        torch.set_num_threads(state.threads_before)

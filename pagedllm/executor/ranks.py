@@ -12,6 +12,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing import connection
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,10 @@ class SpawnedRanks:
     """Ranks 1..size-1 as processes of this one (spawned, never forked: CUDA does not survive a fork). They meet
     rank 0 at a TCP store on MASTER_ADDR:MASTER_PORT if given, else on a free port of this host."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype, num_threads: int
+    ):
+        """num_threads: each rank's torch CPU threads."""
         self.size = config.tensor_parallel_size
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", 0))  # 0: the store binds a free port, so engines never collide
@@ -160,8 +164,8 @@ class SpawnedRanks:
                     max_model_len,
                     rank_device(device, rank),
                     dtype,
-                    torch.get_num_threads(),
-                ),  # fmt: skip
+                    num_threads,
+                ),
                 name=f"pagedllm-tp-rank-{rank}",
                 daemon=True,
             )
@@ -211,7 +215,7 @@ class SpawnedRanks:
                 return None
             time.sleep(0.02)
 
-    def describe(self, rank: int, process) -> str:
+    def describe(self, rank: int, process: BaseProcess) -> str:
         message = f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
         if self.store.check([error_key(rank)]):
             message += " after this error:\n" + self.store.get(error_key(rank)).decode(errors="replace")
