@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -31,6 +32,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
+    trace_file: str | os.PathLike | None = None  # write a Chrome/Perfetto trace of every step and request here
+    trace_kv_every: int | None = None  # with trace_file: snapshot the KV block pool every this many steps
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
@@ -38,7 +41,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "trace_kv_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -50,6 +53,18 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None")
+        self.check_trace_file()
+
+    def check_trace_file(self) -> None:
+        if self.trace_file is None:
+            if self.trace_kv_every is not None:
+                raise ValueError("trace_kv_every needs trace_file: the KV snapshots go into the trace")
+            return
+        if not isinstance(self.trace_file, str | os.PathLike) or not os.fspath(self.trace_file):
+            raise ValueError(f"trace_file must be a file path or None, got {self.trace_file!r}")
+        directory = os.path.dirname(os.path.abspath(self.trace_file))
+        if not os.path.isdir(directory):
+            raise ValueError(f"trace_file {self.trace_file!r}: directory {directory!r} does not exist")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:
