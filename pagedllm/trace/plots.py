@@ -12,11 +12,17 @@ from pagedllm.trace.reader import KvSnapshot, StepRow, Trace
 FREE_COLOUR, CACHED_COLOUR, EMPTY_COLOUR = (0.94, 0.94, 0.94), (0.68, 0.68, 0.68), (1.0, 1.0, 1.0)
 
 
-def new_figure(width: float, height: float):
+def require_matplotlib() -> None:
     try:
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'pagedllm[plot]'") from None
+
+
+def new_figure(width: float, height: float):
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
