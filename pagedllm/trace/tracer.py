@@ -287,7 +287,7 @@ class Tracer:
             names += thread_name(ENGINE_PID, tid, name)
         return {"traceEvents": names + self.events, "displayTimeUnit": "ms", "otherData": self.metadata}
 
-    def save(self) -> None:
+    def save(self, log: bool = True) -> None:
         if self.path is None:
             raise ValueError("this tracer keeps its trace in memory (path=None): call trace() instead")
         trace = self.trace()
@@ -296,12 +296,14 @@ class Tracer:
             json.dump(trace, handle, separators=(",", ":"))
         os.replace(temporary, self.path)
         self.num_saved_events = len(self.events)
-        logger.info("trace of %d events written to %s", len(trace["traceEvents"]), self.path)
+        if log:
+            logger.info("trace of %d events written to %s", len(trace["traceEvents"]), self.path)
 
     def save_if_changed(self) -> None:
+        """At exit (atexit) and when stopped; says nothing unless the write fails."""
         if self.finishing or self.num_saved_events != len(self.events):
             try:
-                self.save()
+                self.save(log=False)
             except OSError as error:
                 logger.warning("could not write the trace to %s: %s", self.path, error)
 
