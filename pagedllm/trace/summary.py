@@ -74,9 +74,10 @@ def summarize(trace: Trace) -> Summary:
 def format_summary(summary: Summary) -> str:
     busy = max(summary.busy_seconds, 1e-9)
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary.finish_reasons.items()))
+    reasons = f" ({reasons})" if reasons else ""
     lines = [
-        f"{summary.num_steps} steps in {busy:.3f} s; {summary.num_requests} requests finished ({reasons or 'none'}); "
-        f"{summary.generated_tokens} tokens generated ({summary.generated_tokens / busy:.1f} tokens/s)",
+        f"{summary.num_steps} steps in {busy:.3f} s, {summary.generated_tokens} tokens generated "
+        f"({summary.generated_tokens / busy:.1f} tokens/s); requests finished: {summary.num_requests}{reasons}",
         "time by phase: host " + phase_shares(summary.phase_seconds, HOST_PHASES, busy),
     ]
     if any(summary.phase_seconds[name] for name in DEVICE_PHASES):

@@ -51,7 +51,7 @@ def test_printed_summary(run, capsys):
     summary = summarize(load_trace(str(run.path)))
     assert printed.strip() == format_summary(summary)
     assert printed.startswith(f"{len(run.records)} steps in ")
-    assert f"{summary.num_requests} requests finished ({summary.num_requests} length)" in printed
+    assert f"requests finished: {summary.num_requests} ({summary.num_requests} length)" in printed
     assert f"peak {summary.peak_kv_used_blocks} of {summary.num_kv_blocks} blocks in use" in printed
     assert f"prefix cache: {summary.cached_tokens} of {summary.prompt_tokens} prompt tokens hit" in printed
     assert f"preemptions: {run.llm.llm_engine.scheduler.num_preemptions}\n" in printed
