@@ -41,7 +41,8 @@ def plot_run(
     if not steps:
         raise ValueError("no steps to plot: the trace (or the window) holds none")
     origin = steps[0].start
-    ends = np.array([step.end - origin for step in steps])
+    # Step i is drawn from step i-1's end to its own (the first from its start): steps tile the time axis.
+    edges = np.array([origin] + [step.end for step in steps]) - origin
 
     def column(key: str) -> np.ndarray:
         return np.array([step.counts[key] for step in steps])
@@ -49,25 +50,24 @@ def plot_run(
     figure = new_figure(10, 9)
     rate_axes, tokens_axes, requests_axes, kv_axes = figure.subplots(4, 1, sharex=True)
     draw_output_rate(rate_axes, steps, origin, roofline_tokens_per_s)
-    tokens_axes.fill_between(ends, column("decode_tokens"), step="pre", label="decode", color="tab:blue")
-    tokens_axes.fill_between(
-        ends, column("decode_tokens"), column("decode_tokens") + column("prefill_tokens"), step="pre",
-        label="prefill", color="tab:orange",
-    )  # fmt: skip
+    decode, prefill = column("decode_tokens"), column("prefill_tokens")
+    tokens_axes.stairs(decode, edges, fill=True, label="decode", color="tab:blue")
+    tokens_axes.stairs(decode + prefill, edges, baseline=decode, fill=True, label="prefill", color="tab:orange")
     tokens_axes.set_ylabel("tokens per step")
-    requests_axes.step(ends, column("running"), where="pre", label="running")
-    requests_axes.step(ends, column("waiting"), where="pre", label="waiting")
+    requests_axes.stairs(column("running"), edges, baseline=None, label="running", linewidth=1.5)
+    requests_axes.stairs(column("waiting"), edges, baseline=None, label="waiting", linewidth=1.5)
     requests_axes.set_ylabel("requests")
     num_blocks = trace.metadata["num_kv_blocks"]
-    kv_axes.step(ends, 100 * column("kv_used") / num_blocks, where="pre", label="in use")
-    kv_axes.step(ends, 100 * column("kv_cached") / num_blocks, where="pre", label="in the prefix cache")
+    kv_axes.stairs(100 * column("kv_used") / num_blocks, edges, baseline=None, label="in use", linewidth=1.5)
+    cached = 100 * column("kv_cached") / num_blocks
+    kv_axes.stairs(cached, edges, baseline=None, label="in the prefix cache", linewidth=1.5)
     kv_axes.set_ylim(0, 105)
     kv_axes.set_ylabel(f"% of {num_blocks} KV blocks")
     kv_axes.set_xlabel("seconds")
     for axes in (rate_axes, tokens_axes, requests_axes, kv_axes):
         axes.grid(alpha=0.3)
         axes.legend(loc="upper right", fontsize="small")
-    figure.suptitle(f"{trace.metadata.get('model', '')}: {len(steps)} steps in {ends[-1]:.2f} s")
+    figure.suptitle(f"{trace.metadata.get('model', '')}: {len(steps)} steps in {edges[-1]:.2f} s")
     figure.savefig(path)
 
 
@@ -89,12 +89,13 @@ def draw_output_rate(axes, steps: list[StepRow], origin: float, roofline_tokens_
 
 
 def choose_snapshot(trace: Trace, step: int | None) -> KvSnapshot:
-    """The snapshot of `step`, else the nearest one; with step None, the one with the most blocks in use."""
+    """The snapshot of `step`, else the nearest one; with step None, the one with the most blocks in use (then the
+    most shared)."""
     if not trace.kv_snapshots:
         raise ValueError("the trace holds no KV block snapshots: record it with trace_kv_every / --trace-kv-every")
     snapshots = trace.kv_snapshots.values()
     if step is None:
-        return max(snapshots, key=lambda snapshot: blocks_in_use(snapshot.states))
+        return max(snapshots, key=lambda snapshot: (blocks_in_use(snapshot.states), snapshot.states.count(SHARED)))
     return min(snapshots, key=lambda snapshot: (abs(snapshot.step - step), snapshot.step))
 
 
@@ -131,7 +132,7 @@ def draw_kv_blocks(trace: Trace, path: str, step: int | None = None) -> int:
     axes.tick_params(which="both", bottom=False, left=False, labelbottom=False)
     owners = sorted({o for s, o in zip(snapshot.states, snapshot.owners) if s not in (FREE, CACHED)})
     legend = [Patch(color=FREE_COLOUR, label="free"), Patch(color=CACHED_COLOUR, label="cached, free (reusable)")]
-    if len(owners) <= 10:
+    if len(owners) <= 12:
         names = trace.request_names
         legend += [Patch(color=palette[o % len(palette)], label=f"request {names.get(o, '?')}") for o in owners]
     else:
