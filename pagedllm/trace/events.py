@@ -14,6 +14,10 @@ HOST_TID, DEVICE_TID, STEPS_TID = 1, 2, 3
 HOST_PHASES = ("schedule", "plan", "launch", "resolve")
 DEVICE_PHASES = ("forward", "sampling")
 
+# A step span's args, in this order.
+STEP_FIELDS = ("step", "seqs", "prefill_tokens", "decode_tokens", "sampled", "generated", "running", "waiting",
+               "kv_used", "kv_cached", "kv_free", "preemptions", "prefix_hit_tokens")  # fmt: skip
+
 # Counter tracks: name -> the step args they plot.
 COUNTERS = {
     "requests": ("running", "waiting"),

@@ -28,6 +28,7 @@ from pagedllm.trace.events import (
     HOST_TID,
     REQUESTS_PID,
     SHARED,
+    STEP_FIELDS,
     STEPS_TID,
     USED,
     counter,
@@ -61,6 +62,17 @@ class StepDetail:
     preempted: list[Sequence]  # preempted when this step was scheduled
     num_cached_blocks: int  # blocks in the prefix cache's index, held or free
     kv_blocks: KvBlocks | None = None  # every kv_every steps
+
+
+@dataclass(slots=True)
+class TracedStep:
+    """One step as on_step saw it, turned into events only when the trace is asked for (off the hot path)."""
+
+    start: float  # time.perf_counter(), as every time here
+    end: float
+    host_times: tuple[float, ...]  # scheduled, batched, planned, launched, resolve started, resolved
+    device_times: tuple[float, float, float] | None  # start, forward done, end (on the host clock)
+    counts: tuple[int, ...]  # values of events.STEP_FIELDS
 
 
 @dataclass(slots=True)
@@ -120,11 +132,13 @@ class Tracer:
         self.clock = DeviceClock(device)
         self.origin = time.perf_counter()
         self.previous_resolved_at = self.origin
-        self.events: list[dict] = []
-        self.num_saved_events = -1
+        self.steps: list[TracedStep] = []
+        self.events: list[dict] = []  # request tracks and KV snapshots
+        self.num_saved = -1  # len(steps) + len(events) at the last save
         self.num_requests = 0
         self.tracks: dict[str, RequestTrack] = {}  # requests not drawn to the end yet
-        self.running: dict[Sequence, bool] = {}  # admitted sequences -> whether their prompt is done (they decode)
+        self.admitted: set[Sequence] = set()  # running sequences, as of the latest step described
+        self.decoding: set[Sequence] = set()  # admitted sequences whose prompt is done
         self.finishing: list[tuple[Sequence, float]] = []  # ended; drawn after the step that ended them
         if path is not None:
             atexit.register(self.save_if_changed)
@@ -144,34 +158,38 @@ class Tracer:
 
     def request_finished(self, seq: Sequence) -> None:
         """seq stopped, ran out of length or was aborted."""
-        self.running.pop(seq, None)
+        self.admitted.discard(seq)
+        self.decoding.discard(seq)
         if seq.request_id in self.tracks:
             self.finishing.append((seq, time.perf_counter()))
 
     # Steps.
 
     def describe_step(self, launched: LaunchedStep, scheduler: Scheduler) -> StepDetail:
-        """Per-request detail of a step just scheduled; O(batch) dictionary lookups, O(running) when it preempted."""
+        """Per-request detail of a step just scheduled: a set lookup per sequence, O(running) when it preempted."""
         preempted = []
         if launched.record.num_preemptions:
-            preempted = [seq for seq in self.running if seq.status is SequenceStatus.WAITING]
-            for seq in preempted:
-                del self.running[seq]
+            preempted = [seq for seq in self.admitted if seq.status is SequenceStatus.WAITING]
+            self.admitted.difference_update(preempted)
+            self.decoding.difference_update(preempted)
+        batch, decoding = launched.batch, self.decoding
         admitted, chunks = [], []
-        for seq, num_new_tokens in zip(launched.batch.seqs, launched.batch.num_new_tokens):
-            decoding = self.running.get(seq)
-            if decoding:
+        # Usually every sequence decodes: one C-level pass finds that; otherwise look at the others one by one.
+        fresh = [] if decoding.issuperset(batch.seqs) else zip(batch.seqs, batch.num_new_tokens)
+        for seq, num_new_tokens in fresh:
+            if seq in decoding:
                 continue
-            if decoding is None:
+            if seq not in self.admitted:
+                self.admitted.add(seq)
                 admitted.append((seq, seq.num_computed_tokens))
             ends_prompt = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-            self.running[seq] = ends_prompt
+            if ends_prompt:
+                decoding.add(seq)
             chunks.append((seq, num_new_tokens, ends_prompt))
-        block_manager = scheduler.block_manager
         kv_blocks = None
         if self.kv_every and launched.record.step_id % self.kv_every == 0:
             kv_blocks = self.snapshot_kv_blocks(scheduler)
-        return StepDetail(admitted, chunks, preempted, len(block_manager.cached_block_ids), kv_blocks)
+        return StepDetail(admitted, chunks, preempted, len(scheduler.block_manager.cached_block_ids), kv_blocks)
 
     def snapshot_kv_blocks(self, scheduler: Scheduler) -> KvBlocks:
         block_manager = scheduler.block_manager
@@ -192,43 +210,49 @@ class Tracer:
         return KvBlocks("".join(states), owners)
 
     def on_step(self, record: StepRecord) -> None:
-        """The step listener: called once the step's tokens are back."""
+        """The step listener: called once the step's tokens are back. Keeps plain numbers; trace() makes events."""
         # A step lasts from the previous step's tokens (or its own scheduling, if later) to its own tokens: steps
         # never overlap on this clock, also when the engine schedules one step ahead.
-        start = self.seconds(max(record.scheduled_at, self.previous_resolved_at))
-        end = self.seconds(record.resolved_at)
-        self.previous_resolved_at = record.resolved_at
-        self.draw_phases(record)
+        start, end = max(record.scheduled_at, self.previous_resolved_at), record.resolved_at
+        self.previous_resolved_at = end
         detail = record.detail
         assert detail is not None, "a traced step without detail: describe_step was not set"
-        used = self.num_kv_blocks - record.num_free_blocks
-        prefix_hits = sum(cached for _, cached in detail.admitted)
-        step = {
-            "step": record.step_id, "seqs": record.num_seqs, "prefill_tokens": record.num_prefill_tokens,
-            "decode_tokens": record.num_decode_tokens, "sampled": record.num_sampled,
-            "generated": record.num_generated, "running": record.num_running, "waiting": record.num_waiting,
-            "kv_used": used, "kv_cached": detail.num_cached_blocks, "kv_free": record.num_free_blocks,
-            "preemptions": record.num_preemptions, "prefix_hit_tokens": prefix_hits,
-        }  # fmt: skip
-        self.events.append(span("step", "step", ENGINE_PID, STEPS_TID, start, end, step))
-        self.events += [counter(name, start, {key: step[key] for key in keys}) for name, keys in COUNTERS.items()]
+        host_times = (record.scheduled_at, record.batched_at, record.planned_at, record.launched_at,
+                      record.resolve_started_at, record.resolved_at)  # fmt: skip
+        device_times = None
+        if record.events is not None:
+            marks = (record.events.start, record.events.forward_done, record.events.end)
+            device_times = tuple(self.clock.host_time(mark) for mark in marks)
+        counts = (
+            record.step_id, record.num_seqs, record.num_prefill_tokens, record.num_decode_tokens, record.num_sampled,
+            record.num_generated, record.num_running, record.num_waiting, self.num_kv_blocks - record.num_free_blocks,
+            detail.num_cached_blocks, record.num_free_blocks, record.num_preemptions,
+            sum(cached for _, cached in detail.admitted),
+        )  # fmt: skip
+        self.steps.append(TracedStep(start, end, host_times, device_times, counts))
         if detail.kv_blocks is not None:
             kv = {"step": record.step_id, "states": detail.kv_blocks.states, "owners": detail.kv_blocks.owners}
             self.events.append(instant("KV blocks", "kv", ENGINE_PID, STEPS_TID, self.seconds(record.batched_at), kv))
-        self.follow_requests(detail, start, end)
-        self.draw_finished()
+        if detail.admitted or detail.chunks or detail.preempted:
+            self.follow_requests(detail, self.seconds(start), self.seconds(end))
+        if self.finishing:
+            self.draw_finished()
 
-    def draw_phases(self, record: StepRecord) -> None:
-        host_times = (record.scheduled_at, record.batched_at, record.planned_at, record.launched_at)
-        host_spans = [*zip(host_times, host_times[1:]), (record.resolve_started_at, record.resolved_at)]
-        args = {"step": record.step_id}
+    def step_events(self, step: TracedStep) -> list[dict]:
+        args = dict(zip(STEP_FIELDS, step.counts))
+        start = self.seconds(step.start)
+        events = [span("step", "step", ENGINE_PID, STEPS_TID, start, self.seconds(step.end), args)]
+        events += [counter(name, start, {key: args[key] for key in keys}) for name, keys in COUNTERS.items()]
+        phase_args = {"step": args["step"]}
+        times = [self.seconds(t) for t in step.host_times]
+        host_spans = [(times[0], times[1]), (times[1], times[2]), (times[2], times[3]), (times[4], times[5])]
         for name, (begin, end) in zip(HOST_PHASES, host_spans):
-            self.events.append(span(name, "host", ENGINE_PID, HOST_TID, self.seconds(begin), self.seconds(end), args))
-        if record.events is not None:
-            marks = [record.events.start, record.events.forward_done, record.events.end]
-            times = [self.seconds(self.clock.host_time(mark)) for mark in marks]
+            events.append(span(name, "host", ENGINE_PID, HOST_TID, begin, end, phase_args))
+        if step.device_times is not None:
+            times = [self.seconds(t) for t in step.device_times]
             for name, begin, end in zip(DEVICE_PHASES, times, times[1:]):
-                self.events.append(span(name, "device", ENGINE_PID, DEVICE_TID, begin, end, args))
+                events.append(span(name, "device", ENGINE_PID, DEVICE_TID, begin, end, phase_args))
+        return events
 
     def follow_requests(self, detail: StepDetail, start: float, end: float) -> None:
         for seq in detail.preempted:
@@ -285,7 +309,8 @@ class Tracer:
         names = process_name(ENGINE_PID, "engine") + process_name(REQUESTS_PID, "requests")
         for tid, name in ((HOST_TID, "host"), (DEVICE_TID, "device"), (STEPS_TID, "steps")):
             names += thread_name(ENGINE_PID, tid, name)
-        return {"traceEvents": names + self.events, "displayTimeUnit": "ms", "otherData": self.metadata}
+        step_events = [event for step in self.steps for event in self.step_events(step)]
+        return {"traceEvents": names + step_events + self.events, "displayTimeUnit": "ms", "otherData": self.metadata}
 
     def save(self, log: bool = True) -> None:
         if self.path is None:
@@ -295,13 +320,13 @@ class Tracer:
         with open(temporary, "w", encoding="utf-8") as handle:
             json.dump(trace, handle, separators=(",", ":"))
         os.replace(temporary, self.path)
-        self.num_saved_events = len(self.events)
+        self.num_saved = len(self.steps) + len(self.events)
         if log:
             logger.info("trace of %d events written to %s", len(trace["traceEvents"]), self.path)
 
     def save_if_changed(self) -> None:
         """At exit (atexit) and when stopped; says nothing unless the write fails."""
-        if self.finishing or self.num_saved_events != len(self.events):
+        if self.finishing or self.num_saved != len(self.steps) + len(self.events):
             try:
                 self.save(log=False)
             except OSError as error:
