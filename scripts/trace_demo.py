@@ -3,7 +3,8 @@ with 128 tokens per step, so prefix sharing, paging and preemption all show. Wri
 (default trace.json).
 
 Run: python scripts/trace_demo.py /tmp/demo.json
-     pagedllm trace-summary /tmp/demo.json --plot docs/images/trace_plot.png --kv-picture docs/images/kv_cache.png
+     pagedllm trace-summary /tmp/demo.json --plot docs/images/trace_plot.png --kv-picture docs/images/kv_cache.png \
+         --step 50
 """
 
 from __future__ import annotations
