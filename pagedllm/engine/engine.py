@@ -73,7 +73,8 @@ class LLMEngine:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
-        """device_timings: records carry CUDA events around each step's device work (costs a few events a step)."""
+        """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock
+        readings on CPU; a few events a step)."""
         self.step_listeners.append(listener)
         self.worker.record_events |= device_timings
 
@@ -94,7 +95,7 @@ class LLMEngine:
         if self.tracer is not None:
             self.remove_step_listener(self.tracer.on_step)
             self.pipeline.describe_step = None
-            self.worker.record_events = False
+            self.worker.record_events = False  # the tracer is the only listener that asks for device timings
             self.tracer.close()
             self.tracer = None
 

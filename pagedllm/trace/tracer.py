@@ -181,7 +181,8 @@ class Tracer:
                 continue
             if seq not in self.admitted:
                 self.admitted.add(seq)
-                admitted.append((seq, seq.num_computed_tokens))
+                if seq.request_id in self.tracks:  # not one that was running before the trace began
+                    admitted.append((seq, seq.num_computed_tokens))
             ends_prompt = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
             if ends_prompt:
                 decoding.add(seq)

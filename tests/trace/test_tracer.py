@@ -185,6 +185,25 @@ def test_off_by_default_and_when_stopped(llama_dir, tmp_path):
     assert (tmp_path / "trace.json").exists()  # written when stopped
 
 
+def test_trace_started_mid_run_follows_only_new_requests(llama_dir):
+    llm = LLM(llama_dir)
+    engine = llm.llm_engine
+    prompts = shared_prefix_prompts(count=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for index, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"early{index}", prompt, params)
+    engine.step()
+    tracer = engine.start_trace(None)
+    engine.add_request("late", prompts[3], params)  # shares the 40-token prefix of early1: a prefix-cache hit
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {output.request_id: output for output in engine.step() if output.finished}
+    trace = tracer.trace()
+    assert [e["args"]["request_id"] for e in events(trace, "request", "request")] == ["late"]
+    assert step_total(trace, "prefix_hit_tokens") == finished["late"].num_cached_tokens > 0
+    assert step_total(trace, "generated") == 3 * 6 - 2  # the early requests sampled their first tokens before
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
