@@ -158,7 +158,7 @@ def test_aborts_and_late_stops(llama_dir, tmp_path, async_scheduling):
     engine.write_trace()
     trace = json.loads((tmp_path / "trace.json").read_text())
     tracks = {e["args"]["request_id"]: e["args"] for e in events(trace, "request", "request")}
-    assert tracks.keys() == {"0", *finished, *aborted}
+    assert tracks.keys() == {free_run[0].request_id, *finished, *aborted}
     assert [tracks[request_id]["finish_reason"] for request_id in aborted] == ["abort", "abort"]
     assert finished["r0"].outputs[0].finish_reason == "stop"
     generated = sum(len(o.outputs[0].token_ids) for o in [*free_run, *finished.values()])
