@@ -49,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
     build_bench_parser(bench)
+    from pagedllm.entrypoints.openai.cli_args import add_serve_flags
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs pagedllm[serve])")
+    add_serve_flags(serve, DEFAULT_THREADS)
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from pagedllm.entrypoints.openai.api_server import run_server
+    except ImportError as error:
+        raise ValueError(f"pagedllm serve needs the serve extra ({error}): pip install 'pagedllm[serve]'") from None
+    run_server(args)
 
 
 def make_llm(args: argparse.Namespace):
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pagedllm.entrypoints.bench import run as run_bench
 
-        {"chat": run_chat, "generate": run_generate, "bench": run_bench}[args.command](args)
+        commands = {"chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve}
+        commands[args.command](args)
     except (ValueError, TypeError, OSError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)
         return 2
