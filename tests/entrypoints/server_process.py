@@ -43,14 +43,16 @@ class RunningServer:
         return 0.0
 
 
-def start_server(model_dir: str, log_path: Path, *extra: str, env: dict | None = None) -> RunningServer:
+def start_server(model_dir: str | None, log_path: Path, *extra: str, env: dict | None = None) -> RunningServer:
+    """`pagedllm serve` on a free port (model_dir None: the default model), once /health answers 200."""
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model_dir, "--port", str(port)]
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
+    command += ["--model", model_dir] if model_dir else []
     process_env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     process_env.update(env or {})
     with open(log_path, "w") as log:
         process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env=process_env)
-    server = RunningServer(process, f"http://127.0.0.1:{port}", model_dir, model_dir, log_path)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", model_dir or "", model_dir or "", log_path)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if process.poll() is not None:

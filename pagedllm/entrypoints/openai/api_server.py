@@ -214,7 +214,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def run_server(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    llm = AsyncLLM(args.model, num_threads=args.threads, **engine_kwargs(args))
+    llm = AsyncLLM(
+        args.model, num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine_kwargs(args)
+    )
     try:
         if args.model is None:
             from pagedllm.loader.default_model import default_model_path
