@@ -69,8 +69,8 @@ async def stream_request(client: httpx.AsyncClient, model: str, prompt: list[int
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                    continue
+                if not chunk["choices"]:
+                    continue  # the usage chunk
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
@@ -131,6 +131,8 @@ def start_server(args: argparse.Namespace):
     flags += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.engine_core_in_thread:
         flags.append("--engine-core-in-thread")
+    if args.shape:
+        flags.append("--skip-tokenizer-init")
     return start(args.model, Path(args.log), *flags)
 
 
@@ -142,8 +144,16 @@ def offline_reference(args: argparse.Namespace, prompts, output_lens) -> dict:
     from pagedllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, max_model_len=args.max_model_len, device=args.device, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        skip_tokenizer_init=bool(args.shape),
+    )
     engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": prompt} for prompt in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.reset_prefix_cache()  # the warm-up (as the server's) must not leave prefix hits behind
     for index, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
         engine.add_request(f"offline-{index}", {"prompt_token_ids": prompt}, params, stream=False)
@@ -191,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", help="a running server; without it the benchmark starts `pagedllm serve`")
     parser.add_argument("--api-key", help="the running server's API key")
     parser.add_argument("--model", help="model for the started server (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--shape", help="serve random weights of this shape instead (as `pagedllm bench`; GPU)")
     parser.add_argument("--served-model-name", help="model name to send (default: ask /v1/models)")
     parser.add_argument("--rates", type=float, nargs="+", default=[float("inf")], help="requests/s; inf = all at once")
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -210,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.shape:  # random bf16 weights of a real model's shape, no tokenizer, as the offline GPU benchmark
+        import torch
+
+        from pagedllm.entrypoints.bench import write_random_checkpoint
+
+        checkpoint = Path("/tmp/pagedllm-bench") / args.shape
+        if not (checkpoint / "model.safetensors").exists():
+            write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
+        args.model = str(checkpoint)
     prompts, output_lens = workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.max_token_id)
     server = None if args.base_url else start_server(args)
     base_url = args.base_url or server.base_url
@@ -217,9 +237,12 @@ def main() -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.served_model_name or httpx.get(f"{base_url}/v1/models", headers=headers).json()["data"][0]["id"]
         asyncio.run(run_rate(base_url, model, prompts[:2], [4, 4], float("inf"), args.api_key))  # warm-up
-        results = [
-            asyncio.run(run_rate(base_url, model, prompts, output_lens, rate, args.api_key)) for rate in args.rates
-        ]
+        results = []
+        for run_index, rate in enumerate(args.rates):
+            # Shift every token id per run: same lengths, no prefix-cache hits on an earlier run's prompts.
+            shift = 1009 * (run_index + 1)
+            run_prompts = [[(token + shift) % (args.max_token_id + 1) for token in prompt] for prompt in prompts]
+            results.append(asyncio.run(run_rate(base_url, model, run_prompts, output_lens, rate, args.api_key)))
     finally:
         if server is not None:
             from server_process import stop_server

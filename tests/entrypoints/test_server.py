@@ -151,6 +151,8 @@ def test_health_version_tokenize_detokenize(server, tokenizer):
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
     text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"] == tokenizer.decode(tokens["tokens"])
+    info = httpx.get(f"{server.base_url}/tokenizer_info").json()
+    assert info["bos_token"] == tokenizer.bos_token and info["chat_template"] == tokenizer.chat_template
     bad = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
 

@@ -165,6 +165,10 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
     async def tokenize(body: TokenizeRequest) -> dict:
         return serving.tokenize(body)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return serving.tokenizer_info()
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         return serving.detokenize(body)
@@ -209,6 +213,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
 
 

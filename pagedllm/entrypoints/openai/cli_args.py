@@ -21,6 +21,9 @@ def add_serve_flags(parser: argparse.ArgumentParser, default_threads: int) -> No
     engine.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over (1)")
     engine.add_argument("--threads", type=int, default=default_threads, help=f"CPU threads ({default_threads})")
     engine.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="no tokenizer: prompts are token ids, outputs carry no text"
+    )
+    engine.add_argument(
         "--engine-core-in-thread",
         action="store_true",
         help="step the engine in a thread of the server process instead of its own process (slower under load)",

@@ -496,6 +496,20 @@ class OpenAIServing:
             token_ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         return {"count": len(token_ids), "max_model_len": self.llm.max_model_len, "tokens": token_ids}
 
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's special tokens and chat template (vLLM's /tokenizer_info; lm-eval's remote tokenizer)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this server has no tokenizer (skip_tokenizer_init)")
+        tokenizer = self.tokenizer
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": self.llm.max_model_len,
+        }
+
     def detokenize(self, request) -> dict:
         self.check_model(request.model)
         if self.tokenizer is None:
