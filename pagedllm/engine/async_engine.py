@@ -6,6 +6,7 @@ stops listening or is cancelled is aborted at once, its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import shutil
@@ -19,7 +20,6 @@ from typing import Protocol
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from pagedllm import outputs as outputs_module
 from pagedllm.config import EngineConfig
@@ -211,16 +211,20 @@ class AsyncLLM:
         self.id_prefix = f"pagedllm-{uuid.uuid4().hex[:8]}-"
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreOutput)
-        self.output_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # where outputs are delivered
+        self.closing = False
         self.work_dir = tempfile.mkdtemp(prefix="pagedllm-")  # ipc sockets and the saved tokenizer
         self.context = zmq.Context()
         if core_in_thread:
             input_address, output_address = f"inproc://{self.id_prefix}in", f"inproc://{self.id_prefix}out"
         else:
             input_address, output_address = f"ipc://{self.work_dir}/in", f"ipc://{self.work_dir}/out"
+        # No high-water marks: a burst of requests or outputs queues up instead of blocking either side.
         self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.bind(input_address)
         self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.bind(output_address)
         core_args = (self.config, input_address, output_address, f"{self.work_dir}/tokenizer", num_threads)
         if core_in_thread:
@@ -237,6 +241,8 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
+        self.reader = threading.Thread(target=self.read_outputs, daemon=True, name="pagedllm-output-reader")
+        self.reader.start()
 
     def wait_until_ready(self) -> None:
         while not self.output_socket.poll(timeout=500):
@@ -293,7 +299,7 @@ class AsyncLLM:
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self.start_output_task()
+        self.watch_loop()
         stream = RequestStream(self, request_id, text, token_ids)
         self.streams[request_id] = stream
         self.send(AddRequest(request_id, text, token_ids, params))
@@ -328,31 +334,43 @@ class AsyncLLM:
             self.abort(request_id)
 
     def send(self, message) -> None:
-        self.input_socket.send(self.encoder.encode(message), copy=False)
+        try:  # never blocks: with the core connected nothing is dropped (no high-water mark); without it, Again
+            self.input_socket.send(self.encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not connected (it stopped)") from None
 
     # --- outputs ----------------------------------------------------------------------------------------------
 
-    def start_output_task(self) -> None:
-        if self.output_task is None or self.output_task.done():
-            self.output_task = asyncio.get_running_loop().create_task(self.read_outputs())
+    def watch_loop(self) -> None:
+        """Deliver outputs to the running event loop (the one that adds requests)."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            self.loop = loop
 
-    async def read_outputs(self) -> None:
-        socket = zmq.asyncio.Socket.from_socket(self.output_socket)
+    def read_outputs(self) -> None:
+        """The output reader thread: it owns the output socket, decodes each message and hands it to the event
+        loop, in order. It ends at shutdown, or tells every stream when the core died."""
         try:
-            while True:
-                if not await socket.poll(timeout=1000):
-                    if not self.core.is_alive():
-                        self.fail_all(EngineDeadError("the engine core stopped unexpectedly"))
+            while not self.closing:
+                if not self.output_socket.poll(timeout=200):
+                    if not self.core.is_alive() and not self.closing:
+                        self.call_in_loop(self.fail_all, EngineDeadError("the engine core stopped unexpectedly"))
                         return
                     continue
-                message = self.decoder.decode(await socket.recv(copy=False))
+                message = self.decoder.decode(self.output_socket.recv(copy=False))
                 if isinstance(message, StepOutputs):
-                    self.dispatch(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # a bug here must not leave every client waiting forever
-            self.fail_all(EngineDeadError(f"the engine output reader failed: {error!r}"))
-            raise
+                    self.call_in_loop(self.dispatch, message)
+        finally:
+            self.output_socket.close(linger=0)
+
+    def call_in_loop(self, function, *args) -> None:
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            if isinstance(args[0], StepOutputs):
+                self.stats = args[0].stats  # no request in flight: keep the statistics current all the same
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(function, *args)
 
     def dispatch(self, message: StepOutputs) -> None:
         now = time.monotonic()
@@ -432,22 +450,26 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every request, stop the engine core and release its resources. Safe to call twice."""
-        if self.context.closed:
+        if self.closing:
             return
+        self.closing = True
         self.dead = self.dead or EngineDeadError("the engine was shut down")
         for stream in self.streams.values():
             stream.end()
         self.streams.clear()
-        if self.output_task is not None and not self.output_task.done():
-            self.output_task.cancel()
         if self.core.is_alive():
-            self.send(Shutdown())
+            with contextlib.suppress(EngineDeadError):
+                self.send(Shutdown())
             self.core.join(timeout)
             if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
                 self.core.kill()
                 self.core.join(timeout)
+        reader = getattr(self, "reader", None)
+        if reader is not None:
+            reader.join(timeout)  # it closes the output socket
+        else:
+            self.output_socket.close(linger=0)
         self.input_socket.close(linger=0)
-        self.output_socket.close(linger=0)
         if not self.core.is_alive():  # a core thread stuck in a step still holds its sockets: leave the context
             self.context.term()
         shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -267,8 +267,10 @@ def run_engine_core(
     in_child = context is None
     context = context or zmq.Context()
     input_socket = context.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.RCVHWM, 0)
     input_socket.connect(input_address)
     output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # the engine never waits for a slow frontend
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
