@@ -325,7 +325,8 @@ class AsyncLLM:
             return
         stream.end()
         if self.dead is None:
-            self.send(AbortRequests([request_id]))
+            with contextlib.suppress(EngineDeadError):  # called from finally blocks: a stopped core frees all anyway
+                self.send(AbortRequests([request_id]))
             self.record_finished(stream, "abort")
 
     def abort_all(self) -> None:
