@@ -12,9 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import start_server, stop_server
 
+pytest.importorskip("fastapi", reason="the server tests need the serve extra (pip install -e '.[test]')")
 pytest.importorskip("lm_eval", reason="needs lm-eval (pip install -e '.[test]')")
+
+from server_process import start_server, stop_server  # noqa: E402
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = ["pagedllm_capitals", "pagedllm_facts_mc"]
