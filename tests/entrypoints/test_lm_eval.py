@@ -34,7 +34,9 @@ def default_server(tmp_path_factory):
     running = start_server(None, tmp_path_factory.mktemp("lm_eval") / "server.log", "--max-model-len", "512")
     running.model = httpx.get(f"{running.base_url}/v1/models").json()["data"][0]["id"]
     yield running
-    assert stop_server(running, signal.SIGINT) == 0, running.log()  # Ctrl-C: a clean exit, status 0
+    if running.process.poll() is None:  # test_sigint_exits_zero (the last test) normally stopped it already
+        running.process.kill()
+        running.process.wait()
 
 
 @NEEDS_STAGE_2
@@ -102,3 +104,9 @@ def test_multiple_choice_loglikelihoods_equal_transformers(default_server):
             log_softmax = torch.log_softmax(reference(torch.tensor([whole])).logits[0].float(), dim=-1)
         expected = sum(log_softmax[position - 1, whole[position]].item() for position in range(context_len, len(whole)))
         assert served_logprob == pytest.approx(expected, abs=1e-3), (context, continuation)
+
+
+def test_sigint_exits_zero(default_server):
+    """Ctrl-C (SIGINT) stops the server cleanly with status 0 and no traceback logged. Last: it stops the server."""
+    assert stop_server(default_server, signal.SIGINT) == 0, default_server.log()
+    assert "Traceback" not in default_server.log(), default_server.log()

@@ -42,17 +42,9 @@ def server(chat_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     running = start_server(chat_model_dir, log_path, "--max-model-len", "512", "--api-key", API_KEY)
     yield running
-    # SIGTERM with a stream in flight: the stream ends cleanly with [DONE], the server exits with status 0.
-    body = {"model": running.model, "prompt": "The quick", "max_tokens": 480, "stream": True}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, headers=headers, timeout=30) as stream:
-        lines = stream.iter_lines()
-        assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-        status = stop_server(running, signal.SIGTERM)
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert status == 0, f"SIGTERM should end the server with status 0, got {status}:\n{running.log()}"
-    assert rest and rest[-1] == "data: [DONE]" and len(rest) < 480
-    assert "Traceback" not in running.log(), running.log()
+    if running.process.poll() is None:  # test_sigterm_... (the last test) normally stopped it already
+        running.process.kill()
+        running.process.wait()
 
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
@@ -422,3 +414,21 @@ def test_stop_strings(client, stream_client, server):
     chunks = [chunk.choices[0] for chunk in streamed]
     assert "".join(chunk.text for chunk in chunks) == expected
     assert [chunk.finish_reason for chunk in chunks].count("stop") == 1
+
+
+# --- last: stops the module's server ---------------------------------------------------------------------------
+
+
+def test_sigterm_ends_streams_and_exits_zero(server):
+    """SIGTERM with a stream in flight: the stream ends cleanly with [DONE] and the server exits with status 0,
+    having logged no traceback during the whole module. (Last in the file: it stops the shared server.)"""
+    body = {"model": server.model, "prompt": "The quick", "max_tokens": 480, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        status = stop_server(server, signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert status == 0, f"SIGTERM should end the server with status 0, got {status}:\n{server.log()}"
+    assert rest and rest[-1] == "data: [DONE]" and len(rest) < 480
+    assert "Traceback" not in server.log(), server.log()

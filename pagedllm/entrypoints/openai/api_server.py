@@ -85,8 +85,10 @@ async def cancel_on_disconnect(request: Request, work):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the client left first (or this handler was cancelled): stop the work
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it: the client left
     return task.result()
