@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
+from pagedllm.trace.tracer import Tracer
 
 
 @dataclass(slots=True)
@@ -68,14 +70,40 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling)
         # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.tracer: Tracer | None = None
+        if config.trace_file is not None:
+            self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
-        """device_timings: records carry CUDA events around each step's device work (costs a few events a step)."""
+        """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock
+        readings on CPU; a few events a step)."""
         self.step_listeners.append(listener)
         self.worker.record_events |= device_timings
 
     def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         self.step_listeners.remove(listener)
+
+    def start_trace(self, path: str | None, kv_every: int | None = None) -> Tracer:
+        """Trace every step and request from now on (pagedllm/trace/tracer.py); path None keeps it in memory."""
+        self.stop_trace()
+        metadata = {"model": self.config.model or "default", "block_size": self.config.block_size}
+        self.tracer = Tracer(path, self.worker.device, self.block_manager.num_blocks, kv_every, metadata)
+        self.pipeline.describe_step = self.tracer.describe_step
+        self.add_step_listener(self.tracer.on_step, device_timings=True)
+        return self.tracer
+
+    def stop_trace(self) -> None:
+        """Detach the tracer (writing its file one last time): no per-step work is left behind."""
+        if self.tracer is not None:
+            self.remove_step_listener(self.tracer.on_step)
+            self.pipeline.describe_step = None
+            self.worker.record_events = False  # the tracer is the only listener that asks for device timings
+            self.tracer.close()
+            self.tracer = None
+
+    def write_trace(self) -> None:
+        if self.tracer is not None and self.tracer.path is not None:
+            self.tracer.save()
 
     def next_request_id(self) -> str:
         return str(next(self.request_counter))
@@ -100,6 +128,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
         self.requests[request_id] = Request(seq, text, list(token_ids), stream, detokenizer)
         self.scheduler.add(seq)
+        if self.tracer is not None:
+            self.tracer.request_arrived(seq)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return process_prompt(prompt, self.tokenizer, self.spec.vocab_size)
@@ -124,6 +154,8 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort(request_id)
             self.pipeline.forget(request_id)
+            if self.tracer is not None:
+                self.tracer.request_finished(request.seq)
 
     def shutdown(self) -> None:
         """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
@@ -150,6 +182,8 @@ class LLMEngine:
             if seq.is_finished:
                 del self.requests[seq.request_id]
                 self.pipeline.forget(seq.request_id)
+                if self.tracer is not None:
+                    self.tracer.request_finished(seq)
         if record is not None:
             for listener in self.step_listeners:
                 listener(record)

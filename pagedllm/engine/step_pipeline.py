@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.plan_builder import build_step_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagedllm.trace.tracer import StepDetail
 
 
 @dataclass(slots=True)
@@ -34,10 +39,14 @@ class StepRecord:
     num_free_blocks: int
     num_preemptions: int  # preemptions this step's schedule made
     scheduled_at: float  # before scheduling
+    batched_at: float  # batch scheduled
     planned_at: float  # plan built
     launched_at: float  # the device work is queued
+    resolve_started_at: float = 0.0  # tokens asked for (the host may wait for the device from here)
     resolved_at: float = 0.0  # tokens read back and handed to the scheduler
+    num_generated: int = 0  # sampled tokens that reached a live request (rows of requests ended meanwhile drop)
     events: StepEvents | None = None  # device timings, where the worker recorded them
+    detail: StepDetail | None = None  # per-request detail, only while a tracer asks for it (describe_step)
 
 
 @dataclass(slots=True)
@@ -56,6 +65,8 @@ class StepPipeline:
         self.in_flight: LaunchedStep | None = None
         self.step_ids = itertools.count()
         self.finished_request_ids: list[str] = []  # handed to the worker with the next plan
+        # Set by a tracer: called with each launched step and the scheduler, its result goes in record.detail.
+        self.describe_step: Callable[[LaunchedStep, Scheduler], StepDetail] | None = None
 
     def forget(self, request_id: str) -> None:
         """The request ended: its per-request device state goes with the next plan."""
@@ -92,6 +103,7 @@ class StepPipeline:
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return None
+        batched_at = time.perf_counter()
         finished, self.finished_request_ids = self.finished_request_ids, []
         step_id = next(self.step_ids)
         plan, owners = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size,
@@ -110,11 +122,15 @@ class StepPipeline:
             num_free_blocks=self.scheduler.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions - preemptions_before,
             scheduled_at=scheduled_at,
+            batched_at=batched_at,
             planned_at=planned_at,
             launched_at=time.perf_counter(),
             events=output.events,
         )
-        return LaunchedStep(batch, owners, output, record)
+        launched = LaunchedStep(batch, owners, output, record)
+        if self.describe_step is not None:
+            record.detail = self.describe_step(launched, self.scheduler)
+        return launched
 
     def resolve_in_flight(self) -> tuple[StepRecord | None, list[tuple[Sequence, int]]]:
         if self.in_flight is None:
@@ -124,8 +140,10 @@ class StepPipeline:
 
     def resolve(self, launched: LaunchedStep) -> tuple[StepRecord, list[tuple[Sequence, int]]]:
         """Read the step's tokens (waiting for the device) and hand each to its owner, unless it ended meanwhile."""
+        launched.record.resolve_started_at = time.perf_counter()
         token_ids = launched.output.token_ids()
         live = [(seq, token) for seq, token in zip(launched.owners, token_ids, strict=True) if not seq.is_finished]
         self.scheduler.append_tokens([seq for seq, _ in live], [token for _, token in live])
+        launched.record.num_generated = len(live)
         launched.record.resolved_at = time.perf_counter()
         return launched.record, live

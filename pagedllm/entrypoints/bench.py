@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.entrypoints.cli import add_trace_flags
+
 SHAPES = {
     "qwen3-0.6b": dict(
         model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -220,22 +222,33 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
     )  # fmt: skip
     load_s = time.perf_counter() - start
+    tracer = llm.llm_engine.tracer
+    if args.plot and tracer is None:
+        tracer = llm.llm_engine.start_trace(None)  # in memory, for the plot
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
     if args.profile:
         profile_decode(llm, prompts)
-    runs = [timed_run(llm, prompts, output_lens) for _ in range(args.repeats)]
-    num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
-    llm.shutdown()  # frees the GPUs (and ends the other ranks) before the ceilings are measured
+    runs, windows = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        runs.append(timed_run(llm, prompts, output_lens))
+        windows.append((start, time.perf_counter()))
     median = sorted(runs, key=lambda run: run.total_s)[len(runs) // 2]
     flops, bandwidth = measure_ceilings(device)
     # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted)
     bound = roofline(args.shape, prompts, output_lens, flops * args.tensor_parallel_size,
                      bandwidth * args.tensor_parallel_size)  # fmt: skip
+    if tracer is not None:
+        save_trace_and_plot(llm, args, windows[runs.index(median)], median.output_tokens / bound.total_s)
+    num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
+    llm.shutdown()  # ends the other ranks, so the next benchmark in this process can start its own
     result = {
         "shape": args.shape,
         "gpu": torch.cuda.get_device_name(device),
+        "traced": tracer is not None,
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "block_size": args.block_size,
@@ -252,11 +265,25 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return result
 
 
+def save_trace_and_plot(llm, args: argparse.Namespace, window: tuple[float, float], roofline_rate: float) -> None:
+    """The trace (with the roofline rate) goes to --trace-file; --plot draws the median run from it."""
+    from pagedllm.trace.plots import plot_run
+    from pagedllm.trace.reader import parse_trace
+
+    tracer = llm.llm_engine.tracer
+    tracer.metadata["roofline_output_tokens_per_s"] = roofline_rate
+    llm.llm_engine.write_trace()
+    if args.plot:
+        trace_window = (tracer.seconds(window[0]), tracer.seconds(window[1]))
+        plot_run(parse_trace(tracer.trace()), args.plot, trace_window, roofline_rate)
+        print(f"plot of the median run written to {args.plot}")
+
+
 def print_table(result: dict) -> None:
     median, bound = result["median"], result["roofline"]
     print(
         f"\n{result['shape']} on {result['gpu']} x{result['tensor_parallel_size']}  "
-        f"(graphs {'off' if result['enforce_eager'] else 'on'}, "
+        f"({'traced, ' if result['traced'] else ''}graphs {'off' if result['enforce_eager'] else 'on'}, "
         f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks, load {result['load_s']:.1f} s)"
     )
     print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
@@ -270,7 +297,9 @@ def print_table(result: dict) -> None:
         f"| roofline | {bound['total_s']:.2f} | {bound['prefill_s']:.2f} | {bound['decode_s']:.2f} "
         f"| {median['output_tokens'] / bound['total_s']:,.0f} |"
     )
+    first = result["runs"][0]["tokens_per_s"]
     print(
+        f"first run {first:,.0f} output tok/s ({100 * first / median['tokens_per_s']:.0f}% of the median); "
         f"median {median['tokens_per_s']:,.0f} output tok/s = {result['percent_of_roofline']:.0f}% of the roofline "
         f"(bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
     )
@@ -288,12 +317,31 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--profile", action="store_true", help="first print a torch.profiler table of decode steps")
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")
+    parser.add_argument("--plot", metavar="PNG", help="draw the median run over time (needs matplotlib)")
+    parser.add_argument(
+        "--latency", action="store_true",
+        help="instead of throughput: one sequence's ms per token (512 tokens in/out, and a 32,000-token context) "
+        "and the time to first token of 8 fresh 128-token prompts",
+    )  # fmt: skip
+    add_trace_flags(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise ValueError("pagedllm bench measures GPU throughput and needs a CUDA GPU")
-    result = run_benchmark(args)
+    if args.plot:
+        from pagedllm.trace.plots import require_matplotlib
+
+        require_matplotlib()  # before the benchmark, not after it
+    if args.latency:
+        from pagedllm.entrypoints.bench_latency import run_latency
+
+        checkpoint = Path(args.checkpoint_dir) / args.shape
+        if not (checkpoint / "model.safetensors").exists():
+            write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
+        result = {"shape": args.shape, "latency": run_latency(str(checkpoint), enforce_eager=args.enforce_eager)}
+    else:
+        result = run_benchmark(args)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: chat with a model, generate completions, or benchmark the engine."""
+"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
     tp_help = "split the model over this many processes, one per GPU (or CPU ranks); 1 = one process (1)"
     group.add_argument("--tensor-parallel-size", type=int, default=1, help=tp_help)
+    add_trace_flags(parser)
+
+
+def add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tracing (see `pagedllm trace-summary`)")
+    group.add_argument("--trace-file", help="write a Chrome/Perfetto trace of every step and request here")
+    group.add_argument(
+        "--trace-kv-every", type=int, metavar="N", help="with --trace-file: snapshot the KV block pool every N steps"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
     build_bench_parser(bench)
+    from pagedllm.entrypoints.trace_summary import build_parser as build_trace_summary_parser
+
+    trace_summary = commands.add_parser("trace-summary", help="summarise a trace; plot it; draw the KV cache")
+    build_trace_summary_parser(trace_summary)
+    from pagedllm.entrypoints.openai.cli_args import add_serve_flags
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs pagedllm[serve])")
+    add_serve_flags(serve, DEFAULT_THREADS)
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from pagedllm.entrypoints.openai.api_server import run_server
+    except ImportError as error:
+        raise ValueError(f"pagedllm serve needs the serve extra ({error}): pip install 'pagedllm[serve]'") from None
+    run_server(args)
 
 
 def make_llm(args: argparse.Namespace):
@@ -63,8 +88,10 @@ def make_llm(args: argparse.Namespace):
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     return LLM(
-        args.model, device=args.device, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size
-    )
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
+    )  # fmt: skip
 
 
 def sampling_params(args: argparse.Namespace):
@@ -139,9 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from pagedllm.entrypoints.bench import run as run_bench
+        from pagedllm.entrypoints.trace_summary import run as run_trace_summary
 
-        {"chat": run_chat, "generate": run_generate, "bench": run_bench}[args.command](args)
-    except (ValueError, TypeError, OSError) as error:
+        commands = {
+            "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
+            "trace-summary": run_trace_summary,
+        }  # fmt: skip
+        commands[args.command](args)
+    except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
