@@ -6,6 +6,7 @@ stops listening or is cancelled is aborted at once, its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import multiprocessing
@@ -232,9 +233,14 @@ class AsyncLLM:
                 target=run_engine_core, args=core_args, kwargs={"context": self.context}, daemon=True
             )
         else:
+            # A daemonic process may not start processes of its own, as a tensor-parallel core does for its ranks:
+            # such a core is not daemonic, and interpreter exit ends it through shutdown() instead.
+            daemon = self.config.tensor_parallel_size == 1
             self.core = multiprocessing.get_context("spawn").Process(
-                target=engine_core_process_main, args=core_args, daemon=True, name="pagedllm-engine-core"
+                target=engine_core_process_main, args=core_args, daemon=daemon, name="pagedllm-engine-core"
             )
+            if not daemon:
+                atexit.register(self.shutdown)
         self.core.start()
         try:
             self.wait_until_ready()
@@ -454,6 +460,7 @@ class AsyncLLM:
         if self.closing:
             return
         self.closing = True
+        atexit.unregister(self.shutdown)
         self.dead = self.dead or EngineDeadError("the engine was shut down")
         for stream in self.streams.values():
             stream.end()

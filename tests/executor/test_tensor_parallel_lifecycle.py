@@ -4,6 +4,7 @@ seconds, and no process is left behind. Also: the same engine launched by torchr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -12,11 +13,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.executor.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -74,6 +77,17 @@ def is_running(pid: int) -> bool:
             return "zombie" not in status.read()
     except FileNotFoundError:
         return False
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                children.append(int(status.parent.name))
+        except OSError:  # ended while we looked
+            pass
+    return children
 
 
 def assert_gone(pids: list[int], within_s: float = 10.0) -> None:
@@ -190,6 +204,21 @@ def test_an_error_in_rank_0_forward_stops_the_other_ranks(llama_dir, monkeypatch
     assert time.monotonic() - start < RAISES_WITHIN_S
     assert not process.is_alive()
     assert multiprocessing.active_children() == []
+
+
+def test_async_llm_runs_the_ranks_from_its_engine_process(llama_dir, expected_tokens):
+    """AsyncLLM's engine core is a process of its own, which starts the ranks (so it must not be daemonic)."""
+
+    async def generate(llm: AsyncLLM) -> list[int]:
+        outputs = [output async for output in llm.generate(PROMPTS[1], GREEDY)]
+        return outputs[-1].outputs[0].token_ids
+
+    with AsyncLLM(llama_dir, tensor_parallel_size=2) as llm:
+        assert asyncio.run(generate(llm)) == expected_tokens[1]
+        ranks = child_pids(llm.core.pid)
+        assert ranks  # rank 1 (the core is rank 0)
+    assert not llm.core.is_alive()
+    assert_gone(ranks)
 
 
 def test_errors_of_rank_1_loading_or_running_are_raised_by_rank_0(subprocesses):
