@@ -76,3 +76,9 @@ def allocate_kv_cache(
     past a sequence's end (masked out, but NaN from uninitialised memory would survive the mask)."""
     shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads // tp_size, spec.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: torch.Tensor) -> None:
+    """copies [n, 2] int64 (source, destination) block ids: every layer's K and V of each source block are copied
+    to its destination (copy-on-write of a block that several samples of a request shared)."""
+    kv_cache[:, :, copies[:, 1]] = kv_cache[:, :, copies[:, 0]]

@@ -14,13 +14,6 @@ from pagedllm.executor.step_plan import StepPlan
 
 
 @dataclass(slots=True)
-class SamplingInputs:
-    temperatures: torch.Tensor
-    top_ps: torch.Tensor | None
-    top_ks: torch.Tensor | None
-
-
-@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -28,7 +21,6 @@ class StepInputs:
     sample_rows: torch.Tensor
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
-    sampling: SamplingInputs
 
 
 def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
@@ -79,9 +71,6 @@ class StepBuffers:
     sample_rows: PinnedBuffer  # [max_seqs] int64
     placeholder_rows: PinnedBuffer  # [max_seqs] int64
     placeholder_sources: PinnedBuffer  # [max_seqs] int64
-    temperatures: PinnedBuffer  # [max_seqs] float32
-    top_ps: PinnedBuffer  # [max_seqs] float32
-    top_ks: PinnedBuffer  # [max_seqs] int64
     # The host twins are rewritten each step: wait until the previous step's copies have left them.
     uploads_done: torch.cuda.Event
 
@@ -100,9 +89,6 @@ class StepBuffers:
             sample_rows=buffer((max_seqs,), torch.int64),
             placeholder_rows=buffer((max_seqs,), torch.int64),
             placeholder_sources=buffer((max_seqs,), torch.int64),
-            temperatures=buffer((max_seqs,), torch.float32),
-            top_ps=buffer((max_seqs,), torch.float32),
-            top_ks=buffer((max_seqs,), torch.int64),
             uploads_done=torch.cuda.Event(),
         )
         buffers.slot_mapping.device.fill_(-1)
@@ -111,7 +97,6 @@ class StepBuffers:
     def upload(self, plan: StepPlan) -> StepInputs:
         """Every copy goes from pinned memory, so none of them waits for the device to finish earlier steps."""
         self.uploads_done.synchronize()
-        sampling = plan.sampling
         inputs = StepInputs(
             input_ids=self.input_ids.upload(plan.input_ids),
             positions=self.positions.upload(plan.positions),
@@ -127,11 +112,6 @@ class StepBuffers:
             sample_rows=self.sample_rows.upload(plan.sample_rows),
             placeholder_rows=self.placeholder_rows.upload(plan.placeholder_rows),
             placeholder_sources=self.placeholder_sources.upload(plan.placeholder_sources),
-            sampling=SamplingInputs(
-                temperatures=self.temperatures.upload(sampling.temperatures),
-                top_ps=None if sampling.top_ps is None else self.top_ps.upload(sampling.top_ps),
-                top_ks=None if sampling.top_ks is None else self.top_ks.upload(sampling.top_ks),
-            ),
         )
         self.uploads_done.record()
         return inputs
@@ -139,11 +119,6 @@ class StepBuffers:
 
 def wrap_plan(plan: StepPlan) -> StepInputs:
     """CPU: the tensors share memory with the plan's numpy arrays."""
-    sampling = plan.sampling
-
-    def optional(array: np.ndarray | None) -> torch.Tensor | None:
-        return None if array is None else torch.from_numpy(array)
-
     return StepInputs(
         input_ids=torch.from_numpy(plan.input_ids),
         positions=torch.from_numpy(plan.positions),
@@ -159,9 +134,4 @@ def wrap_plan(plan: StepPlan) -> StepInputs:
         sample_rows=torch.from_numpy(plan.sample_rows),
         placeholder_rows=torch.from_numpy(plan.placeholder_rows),
         placeholder_sources=torch.from_numpy(plan.placeholder_sources),
-        sampling=SamplingInputs(
-            temperatures=torch.from_numpy(sampling.temperatures),
-            top_ps=optional(sampling.top_ps),
-            top_ks=optional(sampling.top_ks),
-        ),
     )

@@ -1,5 +1,5 @@
 """Worker: the device side of the engine. It owns the model and its weights, the KV cache, the attention backend,
-the CUDA graphs, the step buffers and per-request random state, and turns a StepPlan into a StepOutput.
+the CUDA graphs, the step buffers and the sampler with its per-request state, and turns a StepPlan into a StepOutput.
 """
 
 from __future__ import annotations
@@ -10,17 +10,27 @@ import torch
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, copy_blocks, kv_block_bytes
 from pagedllm.executor.step_inputs import StepBuffers, pad_decode_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
-from pagedllm.executor.step_plan import SamplingArrays, StepPlan
+from pagedllm.executor.step_plan import StepPlan, StepSampling
+from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import tp_size
-from pagedllm.layers.sampler import SamplingTensors, sample
+from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampling_batch import build_sampling_batch, upload_array
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
+from pagedllm.sampling_params import SamplingParams
+
+# Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
+PROMPT_LOGPROB_CHUNK = 256
+# Start-up runs its largest steps with these settings, so the KV cache is sized after the sampler's largest
+# footprint: a full sort (top-p alone) and logprobs for every row.
+WARMUP_SAMPLING = SamplingParams(top_p=0.9, logprobs=20)
+WARMUP_PROMPT_LOGPROBS = 20
 
 
 def make_attention_backend(name: str | None, device: torch.device):
@@ -59,8 +69,10 @@ class Worker:
         self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
         self.backend = make_attention_backend(config.attention_backend, device)
-        self.generators: dict[str, torch.Generator] = {}  # request id -> its own stream, for seeded requests
-        self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
+        # One slot per sequence the scheduler may have admitted at once (running or preempted): max_num_seqs.
+        self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed)
+        if device.type == "cuda":
+            self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
         block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp_size())
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
@@ -73,6 +85,8 @@ class Worker:
         if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
             self.graphs.capture()
+        if device.type == "cuda":
+            self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
         kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
@@ -96,7 +110,8 @@ class Worker:
         self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
-        """Every sequence computes seq_len tokens of id 0 from scratch and samples with top-k and top-p on."""
+        """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING; a prefill
+        also takes a chunk of prompt logprobs."""
         num_seqs = len(block_tables)
         positions = np.tile(np.arange(seq_len, dtype=np.int64), num_seqs)
         rows = np.repeat(np.arange(num_seqs), seq_len)
@@ -104,6 +119,7 @@ class Worker:
         if self.table_width is not None:
             block_tables = np.pad(block_tables, ((0, 0), (0, self.table_width - block_tables.shape[1])))
         query_start_loc = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
+        num_prompt_logprob_rows = 0 if seq_len == 1 else min(PROMPT_LOGPROB_CHUNK, len(positions))
         return StepPlan(
             step_id=-1,
             input_ids=np.zeros(num_seqs * seq_len, dtype=np.int64),
@@ -118,20 +134,23 @@ class Worker:
             decode_only=seq_len == 1,
             placeholder_rows=np.zeros(0, dtype=np.int64),
             placeholder_sources=np.zeros(0, dtype=np.int64),
-            sampling=SamplingArrays(
-                temperatures=np.ones(num_seqs, dtype=np.float32),
-                top_ps=np.full(num_seqs, 0.9, dtype=np.float32),
-                top_ks=np.full(num_seqs, 50, dtype=np.int64),
-                seeds=[None] * num_seqs,
-                request_ids=[""] * num_seqs,
+            sampling=StepSampling(
+                batch=build_sampling_batch([WARMUP_SAMPLING] * num_seqs),
+                row_slots=np.zeros(num_seqs, dtype=np.int64),  # no state: these settings need none
+                prompt_logprob_token_ids=np.zeros(num_prompt_logprob_rows, dtype=np.int64),
+                num_prompt_logprobs=WARMUP_PROMPT_LOGPROBS,
             ),
+            prompt_logprob_rows=np.arange(num_prompt_logprob_rows, dtype=np.int64),
         )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
         """Queue one step on the device without waiting for it. Input tokens still unknown on the host
         (sampled by the step in flight) are taken on the device from `previous`."""
-        self.release(plan.finished_request_ids)
+        if plan.sampling is not None:
+            self.update_sampler(plan.sampling)
+        if len(plan.block_copies):
+            copy_blocks(self.kv_cache, upload_array(plan.block_copies, self.device))
         padded_size = None
         if self.buffers is not None and plan.decode_only:
             # A CUDA decode step runs at a graph batch size, with graphs or without: the same matmul shapes make
@@ -154,32 +173,28 @@ class Worker:
             events.forward_done.record()
         sampled = None
         if plan.num_sampled:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
-            sampled = sample(logits, self.sampling_tensors(plan.sampling, inputs.sampling))
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            sampled = self.sampler(logits, plan.sampling.batch)
+        prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None
         if events is not None:
             events.end.record()
-        return StepOutput(plan.step_id, sampled, events)
+        return StepOutput(plan.step_id, sampled, prompt_logprobs, events)
 
-    def sampling_tensors(self, arrays: SamplingArrays, inputs) -> SamplingTensors:
-        temperatures = arrays.temperatures
-        return SamplingTensors(
-            temperatures=inputs.temperatures,
-            top_ps=inputs.top_ps,
-            top_ks=inputs.top_ks,
-            generators=[self.generator_for(key, seed) for key, seed in zip(arrays.request_ids, arrays.seeds)],
-            default_generator=self.default_generator,
-            all_greedy=bool((temperatures == 0).all()),
-            any_greedy=bool((temperatures == 0).any()),
-        )
+    def update_sampler(self, sampling: StepSampling) -> None:
+        """Releases first: a slot released and taken again in one plan starts clean."""
+        for slot in sampling.released_slots:
+            self.sampler.release(slot)
+        for request in sampling.new_requests:
+            self.sampler.add_request(request.slot, request.params, request.prompt_token_ids)
 
-    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = self.generators.get(request_id)
-        if generator is None:
-            generator = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return generator
-
-    def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+    def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors:
+        """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that
+        predict it, PROMPT_LOGPROB_CHUNK rows at a time (a long prompt's logits would not fit at once)."""
+        rows = upload_array(plan.prompt_logprob_rows, self.device)
+        next_token_ids = upload_array(plan.sampling.prompt_logprob_token_ids, self.device)
+        chunks = []
+        for start in range(0, len(rows), PROMPT_LOGPROB_CHUNK):
+            chunk = slice(start, start + PROMPT_LOGPROB_CHUNK)
+            logprobs = self.model.compute_logits(hidden[rows[chunk]]).float().log_softmax(dim=-1)
+            chunks.append(compute_logprobs(logprobs, next_token_ids[chunk], plan.sampling.num_prompt_logprobs))
+        return LogprobsTensors.concat(chunks)

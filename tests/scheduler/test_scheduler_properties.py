@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pagedllm.engine.step_pipeline import StepPipeline
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
+from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
@@ -54,9 +55,13 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
 class FakeWorker:
     """Stands in for the device: each sampled row gets its request's signature token (the request id as an int), so
     a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder input is
-    filled from a row of the step in flight, and only there."""
+    filled from a row of the step in flight, and only there; a row's slot was registered for its request and not
+    released since, and no slot is held twice."""
 
     table_width = None
+
+    def __init__(self):
+        self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
 
     def execute(self, plan: StepPlan, previous: StepOutput | None) -> StepOutput:
         placeholder_rows = set(plan.placeholder_rows.tolist())
@@ -65,8 +70,13 @@ class FakeWorker:
             assert previous is not None
             assert all(0 <= source < len(previous.token_ids()) for source in plan.placeholder_sources)
         assert plan.num_tokens <= MAX_BUDGET
-        signatures = [int(request_id) for request_id in plan.sampling.request_ids]
-        return StepOutput(plan.step_id, torch.tensor(signatures, dtype=torch.int64))
+        for slot in plan.sampling.released_slots:
+            del self.slot_owners[slot]
+        for request in plan.sampling.new_requests:
+            assert request.slot not in self.slot_owners, f"slot {request.slot} is held twice"
+            self.slot_owners[request.slot] = request.request_id
+        signatures = [int(self.slot_owners[slot]) for slot in plan.sampling.row_slots.tolist()]
+        return StepOutput(plan.step_id, SamplerOutput(torch.tensor(signatures, dtype=torch.int64)))
 
 
 def make_pipeline(scheduler: Scheduler, overlap: bool) -> tuple[StepPipeline, FakeWorker]:
