@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,15 +126,11 @@ def test_seed_survives_preemption(llama_dir, alone, async_scheduling):
 def test_different_seeds_differ(llama_dir, alone):
     llm = LLM(llama_dir, num_kv_blocks=64)
     for row, params, expected in zip(SEEDED_ROWS, SEEDED, alone):
-        reseeded = SamplingParams(**{**params_fields(params), "seed": params.seed + 1000})
+        reseeded = replace(params, seed=params.seed + 1000)
         assert tokens(llm, [prompt(row)], reseeded)[0] != expected
     unseeded = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = tokens(llm, [prompt(0)] * 4, unseeded)
     assert len({tuple(run) for run in runs}) == 4  # unseeded requests draw from the engine's stream, each its own
-
-
-def params_fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in SamplingParams.__slots__}
 
 
 def test_penalties_under_async_scheduling_equal_sync(llama_dir):
