@@ -1,5 +1,6 @@
 """Property-based tests: random add / step / abort programs, run through the engine's own step protocol
-(StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants."""
+(StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants,
+also for requests of several samples (n > 1: shared blocks, forks, copy-on-write) and their slots."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ MAX_BUDGET = 24
 # prompts drawn from a tiny alphabet with shared starts, so prefix-cache hits and hash chains are exercised
 prompt_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=30)
 operation = st.one_of(
-    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12), st.booleans()),
+    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12), st.booleans(), st.integers(1, 3)),
     st.tuples(st.just("step"), st.integers(0, 5)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
 )
@@ -33,6 +34,12 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
     block_manager = scheduler.block_manager
     block_manager.check_invariants(holders=scheduler.running)
     assert len(scheduler.running) <= scheduler.max_num_seqs
+    # A slot is held from first admission to the end, by one sequence at a time: running ones hold one, finished
+    # ones none, and held plus free slots are all the slots.
+    slots = [seq.slot for seq in all_seqs if seq.slot >= 0]
+    assert sorted(slots + scheduler.free_slots) == list(range(scheduler.max_num_seqs))
+    assert all(seq.slot >= 0 for seq in scheduler.running)
+    assert all(seq.slot == -1 for seq in all_seqs if seq.is_finished)
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
     for seq in scheduler.running:
@@ -98,17 +105,19 @@ def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
     all_seqs: list[Sequence] = []
     for op in operations:
         if op[0] == "add":
-            _, prompt, max_tokens, stops = op
-            # the engine rejects requests that could never fit; mirror that rule here
+            _, prompt, max_tokens, stops, num_samples = op
+            # the engine rejects requests that could never fit or have more samples than slots; mirror that here
             if (
                 block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN))
                 <= block_manager.num_blocks
+                and num_samples <= scheduler.max_num_seqs
             ):
                 signature = len(all_seqs)  # the fake worker samples this token for this request: a stop when asked
                 params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[signature] if stops else [])
-                seq = Sequence(str(signature), list(prompt), params)
-                all_seqs.append(seq)
-                scheduler.add(seq)
+                samples = [Sequence(str(signature), list(prompt), params, sample_index=i) for i in range(num_samples)]
+                samples[0].forks = samples[1:]
+                all_seqs += samples
+                scheduler.add(samples[0])
         elif op[0] == "step":
             step(op[1])
         elif all_seqs:
