@@ -25,8 +25,9 @@ class PenaltyState:
         so that a penalised request can never run out of memory later; elsewhere the first penalised request does."""
         if self.output_counts is None:
             shape = (self.num_slots, self.vocab_size)
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            with torch.inference_mode(False):  # normal tensors: updated in place inside inference mode and out
+                self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+                self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
 
     def add_request(self, slot: int, prompt_token_ids: list[int]) -> None:
         assert 0 <= slot < self.num_slots and slot not in self.active_slots, f"slot {slot} is taken or out of range"
