@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -72,3 +73,66 @@ def test_interactive_chat_keeps_the_conversation():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "Berlin" in result.stdout
     assert result.stdout.count("> ") == 3  # two questions answered, then the empty line ends the chat
+
+
+def test_generate_with_sampling_flags(llama_dir):
+    """--top-k 1 is greedy at any temperature; --stop ends the text before the stop string; --n prints every sample;
+    --logprobs prints each token's logprob and rank and the cumulative logprob."""
+    common = ("generate", "The quick brown", "--model", llama_dir, "--max-tokens", "8")
+    greedy = pagedllm(*common)
+    assert greedy.returncode == 0, greedy.stderr
+    text = greedy.stdout.rstrip("\n")
+    top_k_1 = pagedllm(*common, "--top-k", "1", "--temperature", "1.5", "--min-p", "0.01", "--repetition-penalty",
+                       "1.0", "--stop", "never", "--stop", text[2:4], "--n", "2", "--logprobs", "1")  # fmt: skip
+    assert top_k_1.returncode == 0, top_k_1.stderr
+    samples = top_k_1.stdout.split("--- sample ")[1:]
+    assert [sample.split("\n", 1)[1].startswith(text[: text.find(text[2:4])] + "\n") for sample in samples] == [
+        True
+    ] * 2
+    assert all(sample.count("rank 1 ") >= 1 and "cumulative logprob" in sample for sample in samples)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-k", "-5"], "top_k must be an int >= -1"),
+        (["--min-p", "2"], "min_p must be in [0, 1]"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+        (["--n", "0"], "n must be an int >= 1"),
+        (["--logprobs", "-1"], "logprobs must be an int >= 0"),
+    ],
+)
+def test_bad_sampling_flags(args, message):
+    """main() turns these ValueErrors into `pagedllm: error: ...` and exit status 2 (test_bad_flags)."""
+    from pagedllm.entrypoints.cli import build_parser, sampling_params
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampling_params(build_parser().parse_args(["generate", "x", *args]))
+
+
+def test_chat_takes_the_sampling_flags():
+    from pagedllm.entrypoints.cli import build_parser, sampling_params
+
+    args = [
+        "chat",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "5",
+        "--min-p",
+        "0.1",
+        "--repetition-penalty",
+        "1.1",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+    ]
+    params = sampling_params(build_parser().parse_args(args))
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.stop, params.n) == (
+        5,
+        0.1,
+        1.1,
+        ["a", "b"],
+        1,
+    )
