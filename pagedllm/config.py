@@ -36,6 +36,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
+    trace_file: str | os.PathLike | None = None  # write a Chrome/Perfetto trace of every step and request here
+    trace_kv_every: int | None = None  # with trace_file: snapshot the KV block pool every this many steps
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -45,6 +47,18 @@ class EngineConfig:
                 f"attention_backend='triton' needs a CUDA device, but device={self.device!r} is "
                 f"{resolve_device(self.device).type}; use attention_backend='torch' or None"
             )
+        self.check_trace_file()
+
+    def check_trace_file(self) -> None:
+        if self.trace_file is None:
+            if self.trace_kv_every is not None:
+                raise ValueError("trace_kv_every needs trace_file: the KV snapshots go into the trace")
+            return
+        if not os.fspath(self.trace_file):
+            raise ValueError(f"trace_file must be a file path or None, got {self.trace_file!r}")
+        directory = os.path.dirname(os.path.abspath(self.trace_file))
+        if not os.path.isdir(directory):
+            raise ValueError(f"trace_file {self.trace_file!r}: directory {directory!r} does not exist")
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike | None, **kwargs) -> EngineConfig:
@@ -143,6 +157,8 @@ FIELD_RULES: dict[str, Rule] = {
         lambda value: value in (None, *ATTENTION_BACKENDS),
     ),
     "async_scheduling": Rule((bool, NONE), "True, False or None (on for CUDA)"),
+    "trace_file": Rule((str, os.PathLike, NONE), "a file path (str or os.PathLike) or None"),
+    "trace_kv_every": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
 }
 
 

@@ -138,6 +138,7 @@ class LLM:
             if use_tqdm:
                 engine.remove_step_listener(rates.add)
             progress.close()
+            engine.write_trace()
         return [finished[request_id] for request_id in request_ids]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
+from pagedllm.trace.tracer import Tracer
 
 
 @dataclass(slots=True)
@@ -91,14 +93,40 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode)
         # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.tracer: Tracer | None = None
+        if config.trace_file is not None:
+            self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
-        """device_timings: records carry CUDA events around each step's device work (costs a few events a step)."""
+        """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock
+        readings on CPU; a few events a step)."""
         self.step_listeners.append(listener)
         self.worker.record_events |= device_timings
 
     def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         self.step_listeners.remove(listener)
+
+    def start_trace(self, path: str | None, kv_every: int | None = None) -> Tracer:
+        """Trace every step and request from now on (pagedllm/trace/tracer.py); path None keeps it in memory."""
+        self.stop_trace()
+        metadata = {"model": self.config.model or "default", "block_size": self.config.block_size}
+        self.tracer = Tracer(path, self.worker.device, self.block_manager.num_blocks, kv_every, metadata)
+        self.pipeline.describe_step = self.tracer.describe_step
+        self.add_step_listener(self.tracer.on_step, device_timings=True)
+        return self.tracer
+
+    def stop_trace(self) -> None:
+        """Detach the tracer (writing its file one last time): no per-step work is left behind."""
+        if self.tracer is not None:
+            self.remove_step_listener(self.tracer.on_step)
+            self.pipeline.describe_step = None
+            self.worker.record_events = False  # the tracer is the only listener that asks for device timings
+            self.tracer.close()
+            self.tracer = None
+
+    def write_trace(self) -> None:
+        if self.tracer is not None and self.tracer.path is not None:
+            self.tracer.save()
 
     def next_request_id(self) -> str:
         return str(next(self.request_counter))
@@ -134,6 +162,8 @@ class LLMEngine:
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
         self.scheduler.add(seqs[0])
+        if self.tracer is not None:
+            self.tracer.request_arrived(seqs[0])  # one track per request: sample 0 stands for the others
 
     def make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer is not None else None
@@ -167,8 +197,11 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
             self.scheduler.abort(request_id)
+            if self.tracer is not None:
+                self.tracer.request_finished(request.samples[0].seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.pipeline.has_work()
@@ -197,6 +230,8 @@ class LLMEngine:
                 outputs.append(self.make_output(request_id, request))
             if finished:
                 del self.requests[request_id]
+                if self.tracer is not None:
+                    self.tracer.request_finished(request.samples[0].seq)
         if result.record is not None:
             for listener in self.step_listeners:
                 listener(result.record)

@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
 from pagedllm.engine.plan_builder import PromptLogprobSpan, build_step_plan
@@ -23,6 +24,9 @@ from pagedllm.executor.step_plan import StepSampling
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagedllm.trace.tracer import StepDetail
 
 
 @dataclass(slots=True)
@@ -39,10 +43,14 @@ class StepRecord:
     num_free_blocks: int
     num_preemptions: int  # preemptions this step's schedule made
     scheduled_at: float  # before scheduling
+    batched_at: float  # batch scheduled
     planned_at: float  # plan built
     launched_at: float  # the device work is queued
+    resolve_started_at: float = 0.0  # tokens asked for (the host may wait for the device from here)
     resolved_at: float = 0.0  # tokens read back and handed to the scheduler
+    num_generated: int = 0  # sampled tokens that reached a live request (rows of requests ended meanwhile drop)
     events: StepEvents | None = None  # device timings, where the worker recorded them
+    detail: StepDetail | None = None  # per-request detail, only while a tracer asks for it (describe_step)
 
 
 @dataclass(slots=True)
@@ -91,6 +99,8 @@ class StepPipeline:
         self.scheduler, self.worker, self.overlap, self.decode = scheduler, worker, overlap, decode
         self.in_flight: LaunchedStep | None = None
         self.step_ids = itertools.count()
+        # Set by a tracer: called with each launched step and the scheduler, its result goes in record.detail.
+        self.describe_step: Callable[[LaunchedStep, Scheduler], StepDetail] | None = None
 
     def has_work(self) -> bool:
         if self.in_flight is not None and self.in_flight.nobody_waits():
@@ -123,6 +133,7 @@ class StepPipeline:
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return None
+        batched_at = time.perf_counter()
         step_id = next(self.step_ids)
         planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.worker.table_width)
         planned_at = time.perf_counter()
@@ -140,11 +151,15 @@ class StepPipeline:
             num_free_blocks=self.scheduler.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions - preemptions_before,
             scheduled_at=scheduled_at,
+            batched_at=batched_at,
             planned_at=planned_at,
             launched_at=time.perf_counter(),
             events=output.events,
         )
-        return LaunchedStep(batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record)
+        launched = LaunchedStep(batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record)
+        if self.describe_step is not None:
+            record.detail = self.describe_step(launched, self.scheduler)
+        return launched
 
     def resolve_in_flight(self) -> StepResult:
         if self.in_flight is None:
@@ -155,6 +170,7 @@ class StepPipeline:
     def resolve(self, launched: LaunchedStep) -> StepResult:
         """Read the step's results (waiting for the device) and hand them to their sequences, unless these ended
         meanwhile: first the prompt logprobs, then each token to its owner."""
+        launched.record.resolve_started_at = time.perf_counter()
         result = StepResult(launched.record, prompt_logprobs=self.prompt_logprobs(launched))
         token_ids = launched.output.token_ids()
         live = [row for row, seq in enumerate(launched.owners) if not seq.is_finished]
@@ -164,6 +180,7 @@ class StepPipeline:
             tensors = launched.output.logprobs()
             logprobs = sampled_position_logprobs(launched.sampling.batch, tensors, token_ids, self.decode)
         result.tokens = [NewToken(launched.owners[row], token_ids[row], logprobs.get(row)) for row in live]
+        launched.record.num_generated = len(live)
         launched.record.resolved_at = time.perf_counter()
         return result
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.entrypoints.cli import add_trace_flags
+
 SHAPES = {
     "qwen3-0.6b": dict(
         model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -219,18 +221,29 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     llm = LLM(
         str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
     )  # fmt: skip
     load_s = time.perf_counter() - start
+    tracer = llm.llm_engine.tracer
+    if args.plot and tracer is None:
+        tracer = llm.llm_engine.start_trace(None)  # in memory, for the plot
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
     if args.profile:
         profile_decode(llm, prompts)
-    runs = [timed_run(llm, prompts, output_lens) for _ in range(args.repeats)]
+    runs, windows = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        runs.append(timed_run(llm, prompts, output_lens))
+        windows.append((start, time.perf_counter()))
     median = sorted(runs, key=lambda run: run.total_s)[len(runs) // 2]
     flops, bandwidth = measure_ceilings(device)
     bound = roofline(args.shape, prompts, output_lens, flops, bandwidth)
+    if tracer is not None:
+        save_trace_and_plot(llm, args, windows[runs.index(median)], median.output_tokens / bound.total_s)
     result = {
         "shape": args.shape,
         "gpu": torch.cuda.get_device_name(device),
+        "traced": tracer is not None,
         "enforce_eager": args.enforce_eager,
         "block_size": args.block_size,
         "num_kv_blocks": llm.llm_engine.worker.num_kv_blocks,
@@ -246,10 +259,25 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return result
 
 
+def save_trace_and_plot(llm, args: argparse.Namespace, window: tuple[float, float], roofline_rate: float) -> None:
+    """The trace (with the roofline rate) goes to --trace-file; --plot draws the median run from it."""
+    from pagedllm.trace.plots import plot_run
+    from pagedllm.trace.reader import parse_trace
+
+    tracer = llm.llm_engine.tracer
+    tracer.metadata["roofline_output_tokens_per_s"] = roofline_rate
+    llm.llm_engine.write_trace()
+    if args.plot:
+        trace_window = (tracer.seconds(window[0]), tracer.seconds(window[1]))
+        plot_run(parse_trace(tracer.trace()), args.plot, trace_window, roofline_rate)
+        print(f"plot of the median run written to {args.plot}")
+
+
 def print_table(result: dict) -> None:
     median, bound = result["median"], result["roofline"]
     print(
-        f"\n{result['shape']} on {result['gpu']}  (graphs {'off' if result['enforce_eager'] else 'on'}, "
+        f"\n{result['shape']} on {result['gpu']}  ({'traced, ' if result['traced'] else ''}"
+        f"graphs {'off' if result['enforce_eager'] else 'on'}, "
         f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks, load {result['load_s']:.1f} s)"
     )
     print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
@@ -280,12 +308,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--profile", action="store_true", help="first print a torch.profiler table of decode steps")
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")
+    parser.add_argument("--plot", metavar="PNG", help="draw the median run over time (needs matplotlib)")
+    add_trace_flags(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise ValueError("pagedllm bench measures GPU throughput and needs a CUDA GPU")
+    if args.plot:
+        from pagedllm.trace.plots import require_matplotlib
+
+        require_matplotlib()  # before the benchmark, not after it
     result = run_benchmark(args)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))

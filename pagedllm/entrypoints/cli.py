@@ -1,4 +1,4 @@
-"""The `pagedllm` command: chat with a model, generate completions, or benchmark the engine."""
+"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the default; try 0.7")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's probability")
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
     group.add_argument("--stop", action="append", default=[], help="stop at this text (repeat the flag for several)")
     group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
@@ -32,6 +32,15 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
     threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
+    add_trace_flags(parser)
+
+
+def add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tracing (see `pagedllm trace-summary`)")
+    group.add_argument("--trace-file", help="write a Chrome/Perfetto trace of every step and request here")
+    group.add_argument(
+        "--trace-kv-every", type=int, metavar="N", help="with --trace-file: snapshot the KV block pool every N steps"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
     build_bench_parser(bench)
+    from pagedllm.entrypoints.trace_summary import build_parser as build_trace_summary_parser
+
+    trace_summary = commands.add_parser("trace-summary", help="summarise a trace; plot it; draw the KV cache")
+    build_trace_summary_parser(trace_summary)
     return parser
 
 
@@ -66,7 +79,10 @@ def make_llm(args: argparse.Namespace):
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    return LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    return LLM(
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
+    )  # fmt: skip
 
 
 def sampling_params(args: argparse.Namespace):
@@ -161,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from pagedllm.entrypoints.bench import run as run_bench
+        from pagedllm.entrypoints.trace_summary import run as run_trace_summary
 
-        {"chat": run_chat, "generate": run_generate, "bench": run_bench}[args.command](args)
-    except (ValueError, TypeError, OSError) as error:
+        commands = {"chat": run_chat, "generate": run_generate, "bench": run_bench, "trace-summary": run_trace_summary}
+        commands[args.command](args)
+    except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

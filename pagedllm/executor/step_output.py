@@ -5,6 +5,7 @@ one's results are read back.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,17 +14,35 @@ from pagedllm.layers.logprobs import LogprobsTensors
 from pagedllm.layers.sampler import SamplerOutput
 
 
+class HostMark:
+    """A host clock reading that acts like a timing torch.cuda.Event: on CPU the work is done when the call returns."""
+
+    __slots__ = ("time",)
+
+    def __init__(self):
+        self.time = 0.0  # time.perf_counter() when recorded
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end: HostMark) -> float:
+        return (end.time - self.time) * 1e3
+
+
 @dataclass(slots=True)
 class StepEvents:
-    """CUDA events around the step's device work (only when the engine asks for them, e.g. for a trace)."""
+    """Marks around the step's device work (only when the engine asks for them, e.g. for a trace): timing CUDA
+    events on a GPU, host clock readings elsewhere."""
 
-    start: torch.cuda.Event
-    forward_done: torch.cuda.Event
-    end: torch.cuda.Event
+    start: torch.cuda.Event | HostMark
+    forward_done: torch.cuda.Event | HostMark
+    end: torch.cuda.Event | HostMark
 
     @classmethod
-    def create(cls) -> StepEvents:
-        return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(3)))
+    def create(cls, device: torch.device) -> StepEvents:
+        if device.type == "cuda":
+            return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(3)))
+        return cls(HostMark(), HostMark(), HostMark())
 
     def forward_ms(self) -> float:
         return self.start.elapsed_time(self.forward_done)

@@ -157,7 +157,7 @@ class Worker:
             # graphs on and off give bit-identical results.
             padded_size = padded_batch_size(self.decode_batch_sizes, plan.num_seqs)
             pad_decode_plan(plan, padded_size)
-        events = StepEvents.create() if self.record_events and self.device.type == "cuda" else None
+        events = StepEvents.create(self.device) if self.record_events else None
         if events is not None:
             events.start.record()
         inputs = self.buffers.upload(plan) if self.buffers is not None else wrap_plan(plan)
