@@ -1,1 +1,1 @@
-"""Ways in for people: the `pagedllm` command line."""
+"""Ways in for people: the `pagedllm` command line and the OpenAI-compatible server."""

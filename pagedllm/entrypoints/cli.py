@@ -68,7 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     trace_summary = commands.add_parser("trace-summary", help="summarise a trace; plot it; draw the KV cache")
     build_trace_summary_parser(trace_summary)
+    from pagedllm.entrypoints.openai.cli_args import add_serve_flags
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs pagedllm[serve])")
+    add_serve_flags(serve, DEFAULT_THREADS)
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from pagedllm.entrypoints.openai.api_server import run_server
+    except ImportError as error:
+        raise ValueError(f"pagedllm serve needs the serve extra ({error}): pip install 'pagedllm[serve]'") from None
+    run_server(args)
 
 
 def make_llm(args: argparse.Namespace):
@@ -179,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedllm.entrypoints.bench import run as run_bench
         from pagedllm.entrypoints.trace_summary import run as run_trace_summary
 
-        commands = {"chat": run_chat, "generate": run_generate, "bench": run_bench, "trace-summary": run_trace_summary}
+        commands = {
+            "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
+            "trace-summary": run_trace_summary,
+        }  # fmt: skip
         commands[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"pagedllm: error: {error}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`pagedllm serve`); needs the `serve` extra: pip install 'pagedllm[serve]'."""

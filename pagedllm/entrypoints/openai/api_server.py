@@ -1,0 +1,250 @@
+"""`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM, with OpenAI's error
+bodies, an optional API key, Prometheus metrics, and a clean exit (status 0) on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    InvalidRequestError,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing
+from pagedllm.logger import logger
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None, code=None) -> Response:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code))
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's errors -> one readable line, and the first offending top-level field."""
+    parts, param = [], None
+    for item in error.errors():
+        location = [str(part) for part in item.get("loc", ()) if part != "body"]
+        if item.get("type") == "json_invalid":
+            return "the request body is not valid JSON", None
+        if location and param is None:
+            param = location[0]
+        parts.append(f"{'.'.join(location) or 'body'}: {item.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer KEY` (plain ASGI, so streaming and disconnects pass through)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def cancel_on_disconnect(request: Request, work):
+    """Run the handler's work, cancelling it (and so aborting its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left first (or this handler was cancelled): stop the work
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client left
+    return task.result()
+
+
+def openai_response(result) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        message, param = validation_message(error)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, error: InvalidRequestError):
+        return error_response(400, str(error), "invalid_request_error", error.param)
+
+    @app.exception_handler(ValueError)
+    async def invalid_value(request: Request, error: ValueError):
+        return error_response(400, str(error), "invalid_request_error")
+
+    @app.exception_handler(TypeError)
+    async def invalid_type(request: Request, error: TypeError):
+        return error_response(400, str(error), "invalid_request_error")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def unknown_model(request: Request, error: ModelNotFoundError):
+        return error_response(404, str(error), "invalid_request_error", "model", "model_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, error: EngineDeadError):
+        return error_response(503, str(error), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        logger.exception("internal error while serving %s", request.url.path)
+        return error_response(500, "internal server error; see the server log", "server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if serving.llm.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return openai_response(serving.models())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return openai_response(await cancel_on_disconnect(request, serving.create_completion(body)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return openai_response(await cancel_on_disconnect(request, serving.create_chat_completion(body)))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return serving.tokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return serving.tokenizer_info()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return serving.detokenize(body)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, but SIGINT/SIGTERM first end every in-flight stream (their requests are aborted and the
+    streams close with [DONE]), then uvicorn stops gracefully; the signal is not re-raised, so the exit is 0."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM):
+        super().__init__(config)
+        self.llm = llm
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def stop(self) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+        self.llm.abort_all()
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+
+
+def run_server(args: argparse.Namespace) -> None:
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    llm = AsyncLLM(
+        args.model, num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine_kwargs(args)
+    )
+    try:
+        if args.model is None:
+            from pagedllm.loader.default_model import default_model_path
+
+            name, root = DEFAULT_SERVED_NAME, str(default_model_path())
+        else:
+            name, root = args.model, os.path.abspath(os.path.expanduser(args.model))
+        name = args.served_model_name or name
+        metrics = ServerMetrics(name, llm.max_model_len)
+        llm.stats_listener = metrics
+        app = build_app(OpenAIServing(llm, name, root), metrics, api_key)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=10,
+        )
+        logger.info("serving %s at http://%s:%d/v1%s", name, args.host, args.port, " (API key set)" if api_key else "")
+        asyncio.run(Server(config, llm).serve())
+    finally:
+        llm.shutdown()
