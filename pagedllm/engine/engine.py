@@ -149,7 +149,7 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self.validate_length(token_ids, params)
         seqs = [
-            Sequence(request_id, list(token_ids), sample_params(params, index), self.eos_token_ids, index)
+            Sequence(request_id, list(token_ids), sample_params(params, index), self.eos_token_ids, sample_index=index)
             for index in range(params.n)
         ]
         seqs[0].forks = seqs[1:]  # they fork from sample 0 once its prompt is computed

@@ -21,8 +21,8 @@ from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
 
-# One batch for each compiled path: the exponential race, the race with min-p, penalise (on CUDA every mix of
-# penalties runs one compiled signature), and the truncated path's race over top-k candidates.
+# One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
+# penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.
 WARMUP_PARAMS = (
     SamplingParams(temperature=0.8, seed=0),
     SamplingParams(temperature=0.8, min_p=0.1, seed=0),
