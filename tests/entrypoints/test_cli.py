@@ -78,17 +78,17 @@ def test_interactive_chat_keeps_the_conversation():
 def test_generate_with_sampling_flags(llama_dir):
     """--top-k 1 is greedy at any temperature; --stop ends the text before the stop string; --n prints every sample;
     --logprobs prints each token's logprob and rank and the cumulative logprob."""
-    common = ("generate", "The quick brown", "--model", llama_dir, "--max-tokens", "8")
-    greedy = pagedllm(*common)
-    assert greedy.returncode == 0, greedy.stderr
-    text = greedy.stdout.rstrip("\n")
-    top_k_1 = pagedllm(*common, "--top-k", "1", "--temperature", "1.5", "--min-p", "0.01", "--repetition-penalty",
-                       "1.0", "--stop", "never", "--stop", text[2:4], "--n", "2", "--logprobs", "1")  # fmt: skip
-    assert top_k_1.returncode == 0, top_k_1.stderr
-    samples = top_k_1.stdout.split("--- sample ")[1:]
-    assert [sample.split("\n", 1)[1].startswith(text[: text.find(text[2:4])] + "\n") for sample in samples] == [
-        True
-    ] * 2
+    from pagedllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    text = LLM(llama_dir, num_kv_blocks=16).generate("The quick brown", greedy, use_tqdm=False)[0].outputs[0].text
+    result = pagedllm("generate", "The quick brown", "--model", llama_dir, "--max-tokens", "8", "--top-k", "1",
+                      "--temperature", "1.5", "--min-p", "0.01", "--repetition-penalty", "1.0", "--stop", "never",
+                      "--stop", text[2:4], "--n", "2", "--logprobs", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("--- sample ")[1:]
+    expected = text[: text.find(text[2:4])] + "\n"
+    assert [sample.split("\n", 1)[1].startswith(expected) for sample in samples] == [True, True]
     assert all(sample.count("rank 1 ") >= 1 and "cumulative logprob" in sample for sample in samples)
 
 
