@@ -206,7 +206,7 @@ def assert_openai_error(error: openai.APIStatusError, status: int, fragment: str
         (dict(prompt="x " * 600), 400, "maximum context length"),
         (dict(prompt=[10**6]), 400, "vocabulary"),
         (dict(prompt=[]), 400, "prompt"),
-        (dict(presence_penalty=0.5), 400, "presence_penalty"),
+        (dict(presence_penalty=5.0), 400, "presence_penalty"),
         (dict(model="no-such-model"), 404, "no-such-model"),
     ],
 )
