@@ -9,6 +9,7 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 ATTENTION_BACKENDS = ("torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
+    kv_cache_dtype: str = "auto"  # "fp8": half the KV bytes per token of a 16-bit cache
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
@@ -50,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:
