@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes
 from pagedllm.executor.step_inputs import StepBuffers, build_host_inputs, wrap_host_inputs
 from pagedllm.layers.parallel_state import tp_size
 from pagedllm.layers.sampler import SamplingTensors, sample
@@ -20,16 +20,6 @@ from pagedllm.models.spec import DecoderSpec
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
-
-
-def make_attention_backend(name: str | None, device: torch.device):
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
 
 
 def sampling_arrays(params: list[SamplingParams]) -> dict[str, np.ndarray]:
@@ -86,10 +76,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.model = build_model(spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
-        self.backend = make_attention_backend(config.attention_backend, device)
+        self.backend = select_backend(config.attention_backend, device, spec.head_dim, config.kv_cache_dtype)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
-        block_bytes = kv_block_bytes(spec, config.block_size, dtype, tp_size())
+        block_bytes = kv_block_bytes(spec, config.block_size, dtype, tp_size(), config.kv_cache_dtype)
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         logger.info(
@@ -101,11 +91,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
             self.graphs.capture()
 
-    def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
-        layers = [module for module in self.model.modules() if hasattr(module, "k_cache")]
-        for index, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, index], kv_cache[1, index], self.backend
+    def bind_kv_cache(self, num_blocks: int) -> KVCache:
+        kv_cache = allocate_kv_cache(
+            self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size(), self.config.kv_cache_dtype
+        )
+        bind_kv_cache(self.model, kv_cache, self.backend)
         return kv_cache
 
     @torch.inference_mode()
