@@ -83,9 +83,10 @@ class ModelRunner:
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; attention backend %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; attention backend %s",
             self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
-            self.num_kv_blocks * block_bytes / 2**30, device, self.backend.name,
+            self.num_kv_blocks * block_bytes / 2**30, ", fp8" if config.kv_cache_dtype == "fp8" else "", device,
+            self.backend.name,
         )  # fmt: skip
         if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
