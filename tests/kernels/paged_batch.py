@@ -55,7 +55,9 @@ def make_batch(step: Step, generator: torch.Generator, device: str = "cpu", pois
     """Blocks in random order. poison: the cache (and scales) are NaN except the cached context, and block 0, which
     every unused block-table entry points to, is all NaN, so any read outside a sequence's context shows as NaN."""
     dtype = getattr(torch, step.dtype)
-    random = lambda *shape: torch.randn(*shape, generator=generator).to(dtype).to(device)
+    # Values are drawn on the device (fast for benchmark sizes), from a seed that the CPU generator gives.
+    data_generator = torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+    random = lambda *shape: torch.randn(*shape, generator=data_generator, device=device).to(dtype)
     q_lens, s_lens = torch.tensor(step.query_lens), torch.tensor(step.seq_lens)
     num_seqs, num_tokens, block_size = len(step.seq_lens), int(q_lens.sum()), step.block_size
     blocks_per_seq = (s_lens + block_size - 1) // block_size
