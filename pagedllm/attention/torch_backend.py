@@ -32,7 +32,8 @@ def store_kv_cache(
             cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
         else:
             quantized, row_scales = quantize_fp8(rows)
-            cache.view(-1, *cache.shape[2:])[slots] = quantized
+            # Bytes through uint8 views: index_put and index_select need not support float8 on every device.
+            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = quantized.view(torch.uint8)
             block_size = cache.shape[1]
             scales[slots // block_size, :, slots % block_size] = row_scales
 
@@ -50,9 +51,9 @@ def gather_kv(
     cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, max_seq_len: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """gather_context in dtype; an fp8 cache is dequantized with its scales ([num_blocks, H, block_size])."""
-    context = gather_context(cache, block_tables, max_seq_len)
     if scales is None:
-        return context.to(dtype)
+        return gather_context(cache, block_tables, max_seq_len).to(dtype)
+    context = gather_context(cache.view(torch.uint8), block_tables, max_seq_len).view(cache.dtype)
     context_scales = gather_context(scales.transpose(1, 2), block_tables, max_seq_len)  # [num_seqs, len, H]
     return dequantize_fp8(context, context_scales, dtype)
 

@@ -63,8 +63,10 @@ def attend_kv_tile(
     offsets = offsets[:, None] + kv_head * HEAD_DIM + dims[None, :]
     # Masked loads read zeros: keys past kv_end, and the padded dims when HEAD_DIM is not a power of two.
     if DIM_PAD != HEAD_DIM:
-        row_mask = load_mask if MASKED else key_pos >= 0
-        kv_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        if MASKED:
+            kv_mask = load_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        else:
+            kv_mask = (key_pos >= 0)[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
     elif MASKED:
