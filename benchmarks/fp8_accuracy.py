@@ -3,8 +3,9 @@
 CPU (default): the embedded SmolLM2-135M in float32, benchmarks/cpu_generate.py's 32 chat prompts, greedy, 64 new
 tokens. Prints (1) the share of generated tokens equal to the float32-cache run before each prompt's first
 divergence; (2) over the float32 run's outputs, teacher-forced (prompt + output in one forward through the
-engine's model and cache), the mean absolute difference of the chosen tokens' logprobs between the two caches; (3)
-the error of each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
+engine's model and cache), the mean absolute difference of the chosen tokens' logprobs between the two caches, and
+for scale the same for the whole model in bfloat16 (the usual GPU precision) with a bf16 cache; (3) the error of
+each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
 GPU (--gpu-tiny): the tiny checkpoints of tests/conftest.py in bf16, bf16 and fp8 caches: each generated token is
 scored by one float32 transformers forward over prompt + output (gap = best logit - chosen logit).
 
@@ -99,8 +100,8 @@ def per_tensor_fp8(rows: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def scaling_errors(records: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
-    """Relative RMS error of K and V (over all layers) under each scaling scheme, and the share of values that the
-    scheme flushes to zero (nonzero values that come back as 0)."""
+    """Relative RMS error of K and V (over all layers) under each scaling scheme, the mean relative error of a
+    (token, head) row, and the share of values that the scheme flushes to zero (nonzero values that come back 0)."""
     schemes = {
         "per (token, head), dynamic [ours]": lambda x: dequantize_fp8(*quantize_fp8(x), torch.float32),
         "per token, dynamic": lambda x: dequantize_fp8(*quantize_fp8(x.flatten(1)), torch.float32).view_as(x),
@@ -111,7 +112,7 @@ def scaling_errors(records: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str
     for name, round_trip in schemes.items():
         row = {}
         for which, index in (("K", 0), ("V", 1)):
-            squared_error = squared_norm = flushed = nonzero = 0.0
+            squared_error = squared_norm = flushed = nonzero = row_error = num_rows = 0.0
             for record in records:
                 rows = record[index]
                 restored = round_trip(rows)
@@ -119,7 +120,11 @@ def scaling_errors(records: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str
                 squared_norm += rows.square().sum().item()
                 flushed += ((restored == 0) & (rows != 0)).sum().item()
                 nonzero += (rows != 0).sum().item()
+                row_norms = rows.norm(dim=-1)  # each (token, head) row's own relative error: small rows count too
+                row_error += ((restored - rows).norm(dim=-1) / row_norms.clamp_min(1e-30)).sum().item()
+                num_rows += row_norms.numel()
             row[f"{which} rel rms error"] = (squared_error / squared_norm) ** 0.5
+            row[f"{which} mean row error"] = row_error / num_rows
             row[f"{which} flushed to 0"] = flushed / nonzero
         results[name] = row
     return results
@@ -133,16 +138,21 @@ def cpu_accuracy(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     outputs = {name: generate(llm, prompts, args.new_tokens) for name, llm in engines.items()}
     generate_s = time.perf_counter() - start
-    differences, flips, float32_mismatches = [], 0, 0
+    engines["bf16 model"] = LLM(dtype="bfloat16", device="cpu", enable_prefix_caching=False)  # teacher-forced only
+    differences = {"fp8": [], "bf16 model": []}
+    flips = dict.fromkeys(("auto", "fp8", "bf16 model"), 0)  # "auto": 0 unless a float32 near-tie
     for prompt, output in zip(prompts, outputs["auto"]):
         chosen = torch.tensor(output)
         logprobs = {name: teacher_forced_logprobs(llm, prompt, output) for name, llm in engines.items()}
-        float32_mismatches += int((logprobs["auto"].argmax(-1) != chosen).sum())  # 0 unless a float32 near-tie
         picked = {name: lp[torch.arange(len(output)), chosen] for name, lp in logprobs.items()}
-        differences.append((picked["fp8"] - picked["auto"]).abs())
-        flips += int((logprobs["fp8"].argmax(-1) != chosen).sum())
-    differences = torch.cat(differences)
-    kv_rows = record_kv_rows(engines["auto"], prompts[:: max(1, len(prompts) // 8)])
+        for name in flips:
+            flips[name] += int((logprobs[name].argmax(-1) != chosen).sum())
+        for name in differences:
+            differences[name].append((picked[name] - picked["auto"]).abs())
+    differences = {name: torch.cat(values) for name, values in differences.items()}
+    num_positions = len(differences["fp8"])
+    sampled_prompts = prompts[:: max(1, len(prompts) // 8)]
+    kv_rows = record_kv_rows(engines["auto"], sampled_prompts)
     result = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
         "num_prompts": len(prompts),
@@ -150,11 +160,15 @@ def cpu_accuracy(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "tokens_equal_before_first_divergence": agreement_before_divergence(outputs["auto"], outputs["fp8"]),
         "sequences_identical": sum(a == b for a, b in zip(outputs["auto"], outputs["fp8"])),
-        "teacher_forced_mean_abs_logprob_diff": differences.mean().item(),
-        "teacher_forced_max_abs_logprob_diff": differences.max().item(),
-        "teacher_forced_argmax_changes": flips / differences.numel(),
-        "teacher_forced_float32_argmax_changes": float32_mismatches / differences.numel(),
+        "teacher_forced_mean_abs_logprob_diff": differences["fp8"].mean().item(),
+        "teacher_forced_max_abs_logprob_diff": differences["fp8"].max().item(),
+        "teacher_forced_argmax_changes": flips["fp8"] / num_positions,
+        "teacher_forced_float32_argmax_changes": flips["auto"] / num_positions,
+        "bf16_model_mean_abs_logprob_diff": differences["bf16 model"].mean().item(),
+        "bf16_model_max_abs_logprob_diff": differences["bf16 model"].max().item(),
+        "bf16_model_argmax_changes": flips["bf16 model"] / num_positions,
         "scaling_schemes": scaling_errors(kv_rows),
+        "scaling_schemes_prompts": len(sampled_prompts),
         "generate_s_both_runs": generate_s,
     }
     print_cpu(result)
@@ -173,11 +187,23 @@ def print_cpu(result: dict) -> None:
     mean, worst = result["teacher_forced_mean_abs_logprob_diff"], result["teacher_forced_max_abs_logprob_diff"]
     print(f"| teacher-forced: mean abs difference of the chosen tokens' logprobs | {mean:.4f} (max {worst:.3f}) |")
     print(f"| teacher-forced: positions whose argmax changes | {result['teacher_forced_argmax_changes']:.2%} |")
-    print("\nScaling schemes on the model's K/V rows (prefill of 8 prompts, all layers):")
-    print("| scheme | K rel rms error | V rel rms error | K flushed to 0 | V flushed to 0 |\n|---|---|---|---|---|")
-    for name, row in result["scaling_schemes"].items():
-        print(f"| {name} | {row['K rel rms error']:.4f} | {row['V rel rms error']:.4f} | "
-              f"{row['K flushed to 0']:.2%} | {row['V flushed to 0']:.2%} |")  # fmt: skip
+    mean, worst = result["bf16_model_mean_abs_logprob_diff"], result["bf16_model_max_abs_logprob_diff"]
+    print(f"| for scale, the model in bf16: mean abs logprob difference | {mean:.4f} (max {worst:.3f}) |")
+    print(
+        f"| for scale, the model in bf16: positions whose argmax changes | {result['bf16_model_argmax_changes']:.2%} |"
+    )
+    print(
+        f"\nScaling schemes on the model's K/V rows (prefill of {result['scaling_schemes_prompts']} prompts, all layers):"
+    )
+    print_schemes(result["scaling_schemes"])
+
+
+def print_schemes(schemes: dict[str, dict[str, float]]) -> None:
+    print("| scheme | K / V rel rms error | K / V mean row error | K / V flushed to 0 |\n|---|---|---|---|")
+    for name, row in schemes.items():
+        print(f"| {name} | {row['K rel rms error']:.4f} / {row['V rel rms error']:.4f} | "
+              f"{row['K mean row error']:.4f} / {row['V mean row error']:.4f} | "
+              f"{row['K flushed to 0']:.2%} / {row['V flushed to 0']:.2%} |")  # fmt: skip
 
 
 def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
