@@ -192,9 +192,8 @@ def print_cpu(result: dict) -> None:
     print(
         f"| for scale, the model in bf16: positions whose argmax changes | {result['bf16_model_argmax_changes']:.2%} |"
     )
-    print(
-        f"\nScaling schemes on the model's K/V rows (prefill of {result['scaling_schemes_prompts']} prompts, all layers):"
-    )
+    count = result["scaling_schemes_prompts"]
+    print(f"\nScaling schemes on the model's K/V rows (prefill of {count} prompts, all layers):")
     print_schemes(result["scaling_schemes"])
 
 
