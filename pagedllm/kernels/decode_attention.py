@@ -2,6 +2,7 @@
 
 The grid depends only on the (padded) batch size, num_kv_heads and num_splits, never on tensor values, and the
 launcher reads no tensor on the host, so a CUDA graph can capture it. Padding rows (seq_len 0) produce zeros.
+Any head_dim (padded to a power of two inside, masked); an fp8 cache is upcast tile by tile (prefill_attention.py).
 """
 
 from __future__ import annotations

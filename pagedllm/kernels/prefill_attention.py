@@ -1,7 +1,9 @@
 """Triton varlen causal attention over the paged KV cache: fresh prefill, prefix hits, chunks and mixed batches.
 
 Query row j of sequence i sits at position seq_lens[i] - query_len_i + j and sees the cached keys at positions <= it.
-The step's new K/V must already be in the cache (store_kv_cache runs first).
+The step's new K/V must already be in the cache (store_kv_cache runs first). head_dim is tiled at the next power of
+two and the padding masked; an fp8 cache (float8 e4m3 values, power-of-two scales per position and KV head) is
+converted to the query's dtype tile by tile, and its scales multiply the scores and the probabilities.
 """
 
 from __future__ import annotations
