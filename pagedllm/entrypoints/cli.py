@@ -30,6 +30,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
+    group.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8: twice the tokens")
     threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
     add_trace_flags(parser)
@@ -92,7 +93,7 @@ def make_llm(args: argparse.Namespace):
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     return LLM(
-        args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
         trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
     )  # fmt: skip
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, copy_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes
 from pagedllm.executor.step_inputs import StepBuffers, pad_decode_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
@@ -31,16 +31,6 @@ PROMPT_LOGPROB_CHUNK = 256
 # footprint: a full sort (top-p alone) and logprobs for every row.
 WARMUP_SAMPLING = SamplingParams(top_p=0.9, logprobs=20)
 WARMUP_PROMPT_LOGPROBS = 20
-
-
-def make_attention_backend(name: str | None, device: torch.device):
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
 
 
 class Worker:
@@ -68,19 +58,20 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
-        self.backend = make_attention_backend(config.attention_backend, device)
+        self.backend = select_backend(config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype)
         # One slot per sequence the scheduler may have admitted at once (running or preempted): max_num_seqs.
         self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed)
         if device.type == "cuda":
             self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
-        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp_size())
+        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp_size(), config.kv_cache_dtype)
         self.num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; attention backend %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; attention backend %s",
             self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
-            self.num_kv_blocks * block_bytes / 2**30, device, self.backend.name,
+            self.num_kv_blocks * block_bytes / 2**30, ", fp8" if config.kv_cache_dtype == "fp8" else "", device,
+            self.backend.name,
         )  # fmt: skip
         if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
@@ -88,11 +79,11 @@ class Worker:
         if device.type == "cuda":
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
 
-    def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size())
-        layers = [module for module in self.model.modules() if hasattr(module, "k_cache")]
-        for index, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, index], kv_cache[1, index], self.backend
+    def bind_kv_cache(self, num_blocks: int) -> KVCache:
+        kv_cache = allocate_kv_cache(
+            self.spec, num_blocks, self.block_size, self.dtype, self.device, tp_size(), self.config.kv_cache_dtype
+        )
+        bind_kv_cache(self.model, kv_cache, self.backend)
         return kv_cache
 
     @torch.inference_mode()
@@ -150,7 +141,7 @@ class Worker:
         if plan.sampling is not None:
             self.update_sampler(plan.sampling)
         if len(plan.block_copies):
-            copy_blocks(self.kv_cache, upload_array(plan.block_copies, self.device))
+            self.kv_cache.copy_blocks(upload_array(plan.block_copies, self.device))
         padded_size = None
         if self.buffers is not None and plan.decode_only:
             # A CUDA decode step runs at a graph batch size, with graphs or without: the same matmul shapes make

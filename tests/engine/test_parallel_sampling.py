@@ -141,3 +141,13 @@ def test_aborting_a_request_ends_every_sample(llama_dir):
         engine.step()
     assert_no_block_held(llm)
     assert sorted(engine.scheduler.free_slots) == list(range(N + 1))
+
+
+def test_copy_on_write_copies_fp8_scales_too(llama_dir):
+    """With an fp8 cache the copied block's per-token scales must come along: n samples still equal n requests."""
+    llm = LLM(llama_dir, num_kv_blocks=64, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    copies = record_copies(llm)
+    output = llm.generate({"prompt_token_ids": PROMPT_37}, PARAMS, use_tqdm=False)[0]
+    assert sum(copies) == N - 1
+    assert [completion.token_ids for completion in output.outputs] == separate_requests(llm, PROMPT_37)
+    assert_no_block_held(llm)

@@ -28,6 +28,14 @@ def test_generate_two_prompts(llama_dir):
     assert "--- [0] The quick brown" in result.stdout and "--- [1] Paris is" in result.stdout
 
 
+def test_generate_with_an_fp8_kv_cache(llama_dir):
+    result = pagedllm(
+        "generate", "The quick brown", "--model", llama_dir, "--max-tokens", "3", "--kv-cache-dtype", "fp8"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "GiB, fp8)" in result.stderr  # the start-up log line names the cache dtype
+
+
 def test_generate_from_file(llama_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The quick brown\n\ndef add(a, b):\n")
@@ -50,6 +58,7 @@ def test_chat_message_on_the_default_model():
         (["generate", "x", "--threads", "0"], "--threads must be at least 1"),
         (["generate"], "give at least one prompt"),
         (["generate", "--file", "/nonexistent/prompts.txt"], "cannot read --file"),
+        (["generate", "x", "--kv-cache-dtype", "fp16"], "kv_cache_dtype must be one of ('auto', 'fp8')"),
         (["launch"], "invalid choice"),
     ],
 )

@@ -212,7 +212,7 @@ def assert_openai_error(error: openai.APIStatusError, status: int, fragment: str
         (dict(prompt="x " * 600), 400, "maximum context length"),
         (dict(prompt=[10**6]), 400, "vocabulary"),
         (dict(prompt=[]), 400, "prompt"),
-        (dict(presence_penalty=3.0), 400, "presence_penalty must be in [-2, 2]"),
+        (dict(presence_penalty=5.0), 400, "presence_penalty must be in [-2, 2]"),
         (dict(n=2, seed=2**64 - 1), 400, "seed + n - 1"),
         (dict(logit_bias={"999999": 1.0}), 400, "outside the vocabulary"),
         (dict(model="no-such-model"), 404, "no-such-model"),
