@@ -14,6 +14,7 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half
 ATTENTION_BACKENDS = ("torch", "triton")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
     trace_file: str | os.PathLike | None = None  # write a Chrome/Perfetto trace of every step and request here
     trace_kv_every: int | None = None  # with trace_file: snapshot the KV block pool every this many steps
+    kv_cache_dtype: str = "auto"  # "fp8": half the KV bytes per token of a 16-bit cache
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -159,6 +161,7 @@ FIELD_RULES: dict[str, Rule] = {
     "async_scheduling": Rule((bool, NONE), "True, False or None (on for CUDA)"),
     "trace_file": Rule((str, os.PathLike, NONE), "a file path (str or os.PathLike) or None"),
     "trace_kv_every": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
+    "kv_cache_dtype": Rule((str,), f"one of {KV_CACHE_DTYPES}", lambda value: value in KV_CACHE_DTYPES),
 }
 
 

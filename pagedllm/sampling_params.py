@@ -22,7 +22,7 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_toke
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1  # completions per prompt; only 1 until the engine forks sequences (sample i will use seed + i)
+    n: int = 1  # completions per prompt; sample i draws with seed + i (vLLM's rule), its prompt computed once
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of the token in the output
     repetition_penalty: float = 1.0  # > 0: logits of prompt or output tokens divided (if > 0) or multiplied by it
@@ -45,8 +45,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, low=1)
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported yet; only n=1 (one completion per prompt)")
         self.presence_penalty = check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty, low=0.0, open_low=True)
@@ -56,6 +54,11 @@ class SamplingParams:
         self.min_p = check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, low=MIN_SEED, high=MAX_SEED, allow_none=True)
+            if self.seed + self.n - 1 > MAX_SEED:
+                raise ValueError(
+                    f"seed + n - 1 must be <= {MAX_SEED} (sample i of n draws with seed + i), got seed={self.seed} "
+                    f"and n={self.n}"
+                )
         self.stop = check_stop(self.stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids)
         for name in BOOL_FIELDS:

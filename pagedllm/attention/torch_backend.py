@@ -10,17 +10,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.fp8 import dequantize_fp8, quantize_fp8
 from pagedllm.attention.metadata import AttentionMetadata
 
 
 def store_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache.view(-1, H, D)[slot] = key[token] for every token whose slot is not -1."""
+    """k_cache.view(-1, H, D)[slot] = key[token] for every token whose slot is not -1. With scale tensors
+    ([num_blocks, H, block_size], fp8 caches) each (token, head) row is quantized and its scale stored too."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for rows, cache, scales in ((key[keep], k_cache, k_scale), (value[keep], v_cache, v_scale)):
+        if scales is None:
+            cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
+        else:
+            quantized, row_scales = quantize_fp8(rows)
+            # Bytes through uint8 views: index_put and index_select need not support float8 on every device.
+            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = quantized.view(torch.uint8)
+            block_size = cache.shape[1]
+            scales[slots // block_size, :, slots % block_size] = row_scales
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -32,26 +47,40 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len:
     return context.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
 
 
+def gather_kv(
+    cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, max_seq_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """gather_context in dtype; an fp8 cache is dequantized with its scales ([num_blocks, H, block_size])."""
+    if scales is None:
+        return gather_context(cache, block_tables, max_seq_len).to(dtype)
+    context = gather_context(cache.view(torch.uint8), block_tables, max_seq_len).view(cache.dtype)
+    context_scales = gather_context(scales.transpose(1, 2), block_tables, max_seq_len)  # [num_seqs, len, H]
+    return dequantize_fp8(context, context_scales, dtype)
+
+
 def paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
-    if metadata.decode_only:
-        return batched_paged_attention(query, k_cache, v_cache, metadata, scale)
-    return per_sequence_paged_attention(query, k_cache, v_cache, metadata, scale)
+    attend = batched_paged_attention if metadata.decode_only else per_sequence_paged_attention
+    return attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
 
-def per_sequence_paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def per_sequence_paged_attention(query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale, v_scale):
     out = torch.empty_like(query)
     query_start = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start[index], query_start[index + 1]
         table = metadata.block_tables[index : index + 1]
-        keys = gather_context(k_cache, table, seq_len)[0].to(query.dtype).transpose(0, 1)  # [kv_heads, len, dim]
-        values = gather_context(v_cache, table, seq_len)[0].to(query.dtype).transpose(0, 1)
+        keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
+        values = gather_kv(v_cache, v_scale, table, seq_len, query.dtype)[0].transpose(0, 1)
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         visible = torch.arange(seq_len, device=query.device)[None] <= query_pos[:, None]
         attended = F.scaled_dot_product_attention(
@@ -61,9 +90,7 @@ def per_sequence_paged_attention(
     return out
 
 
-def batched_paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def batched_paged_attention(query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale, v_scale):
     num_tokens = query.shape[0]
     num_seqs, max_q, max_k = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
     device = query.device
@@ -79,8 +106,8 @@ def batched_paged_attention(
     key_pos = torch.arange(max_k, device=device)
     in_context = key_pos[None] < seq_lens[:, None]  # [num_seqs, max_k]
     # Slots past a sequence's end hold stale but finite values (the cache starts zeroed): the mask hides them.
-    keys = gather_context(k_cache, metadata.block_tables, max_k).to(query.dtype)
-    values = gather_context(v_cache, metadata.block_tables, max_k).to(query.dtype)
+    keys = gather_kv(k_cache, k_scale, metadata.block_tables, max_k, query.dtype)
+    values = gather_kv(v_cache, v_scale, metadata.block_tables, max_k, query.dtype)
 
     query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None]  # [num_seqs, max_q]
     visible = (key_pos[None, None] <= query_pos[:, :, None]) & in_context[:, None]
@@ -99,6 +126,8 @@ def batched_paged_attention(
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
-        store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return paged_attention(query, k_cache, v_cache, metadata, scale)
+    def forward(
+        self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    ):
+        store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        return paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)

@@ -1,7 +1,9 @@
-"""LLMEngine: add requests, step the scheduler and the worker, and turn finished work into RequestOutputs."""
+"""LLMEngine: add requests, step the scheduler and the worker, and turn their results into RequestOutputs: text
+(with stop strings), logprobs, and the n completions of a request."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable
@@ -10,12 +12,12 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processor import process_prompt
-from pagedllm.engine.step_pipeline import StepPipeline, StepRecord
+from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.ranks import is_rank_zero
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
@@ -24,12 +26,32 @@ from pagedllm.trace.tracer import Tracer
 
 
 @dataclass(slots=True)
-class Request:
+class Sample:
+    """One of a request's n completions."""
+
     seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
+    logprobs: list[PositionLogprobs] | None  # one entry per token, when logprobs were asked for
+    cumulative_logprob: float | None
+
+
+@dataclass(slots=True)
+class Request:
     prompt: str | None
     prompt_token_ids: list[int]
+    samples: list[Sample]  # samples[i] has CompletionOutput.index i
     stream: bool  # report every step's progress, not only the finished request
-    detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
+    prompt_logprobs: list[PositionLogprobs | None] | None  # None for the first prompt token; when asked for
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.seq.is_finished for sample in self.samples)
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of a request: n = 1, seed + i (vLLM's rule for n > 1); only sample 0 computes prompt logprobs."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
@@ -67,7 +89,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.request_counter = itertools.count()
         self.async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
-        self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling)
+        self.token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
+        decode = self.decode_token if self.tokenizer is not None else None
+        self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode)
         # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.tracer: Tracer | None = None
@@ -122,14 +146,38 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_params(params)
         text, token_ids = self.tokenize(prompt)
         self.validate_length(token_ids, params)
-        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
-        self.requests[request_id] = Request(seq, text, list(token_ids), stream, detokenizer)
-        self.scheduler.add(seq)
+        seqs = [
+            Sequence(request_id, list(token_ids), sample_params(params, index), self.eos_token_ids, sample_index=index)
+            for index in range(params.n)
+        ]
+        seqs[0].forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
+        wants_logprobs = params.logprobs is not None
+        samples = [
+            Sample(seq, self.make_detokenizer(token_ids, seq.sampling_params), [] if wants_logprobs else None,
+                   0.0 if wants_logprobs else None)
+            for seq in seqs
+        ]  # fmt: skip
+        prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
+        self.scheduler.add(seqs[0])
         if self.tracer is not None:
-            self.tracer.request_arrived(seq)
+            self.tracer.request_arrived(seqs[0])  # one track per request: sample 0 stands for the others
+
+    def make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer is not None else None
+
+    def validate_params(self, params: SamplingParams) -> None:
+        params.validate_for_model(self.spec.vocab_size)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples cannot run at once with max_num_seqs={self.config.max_num_seqs}; "
+                "lower n or raise max_num_seqs"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return process_prompt(prompt, self.tokenizer, self.spec.vocab_size)
@@ -153,9 +201,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
-            self.pipeline.forget(request_id)
             if self.tracer is not None:
-                self.tracer.request_finished(request.seq)
+                self.tracer.request_finished(request.samples[0].seq)
 
     def shutdown(self) -> None:
         """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
@@ -171,35 +218,79 @@ class LLMEngine:
         With async scheduling, step N+1 is queued on the device before step N's tokens are read back, so the
         host's bookkeeping overlaps the device's work; outputs then trail the device by one step.
         """
-        record, resolved = self.pipeline.step()
+        result = self.pipeline.step()
+        for computed in result.prompt_logprobs:
+            request = self.requests[computed.seq.request_id]
+            start = computed.first_position + 1
+            request.prompt_logprobs[start : start + len(computed.positions)] = computed.positions
+        progressed: dict[str, Request] = {}
+        for token in result.tokens:
+            request = self.requests[token.seq.request_id]
+            self.take_token(request.samples[token.seq.sample_index], token)
+            progressed[token.seq.request_id] = request
         outputs = []
-        for seq, token_id in resolved:
-            request = self.requests[seq.request_id]
-            if request.detokenizer is not None:
-                request.detokenizer.add(token_id)
-            if request.stream or seq.is_finished:
-                outputs.append(self.make_output(request))
-            if seq.is_finished:
-                del self.requests[seq.request_id]
-                self.pipeline.forget(seq.request_id)
+        for request_id, request in progressed.items():
+            finished = request.finished
+            if request.stream or finished:
+                outputs.append(self.make_output(request_id, request))
+            if finished:
+                del self.requests[request_id]
                 if self.tracer is not None:
-                    self.tracer.request_finished(seq)
-        if record is not None:
+                    self.tracer.request_finished(request.samples[0].seq)
+        if result.record is not None:
             for listener in self.step_listeners:
-                listener(record)
+                listener(result.record)
         return outputs
 
-    def make_output(self, request: Request) -> RequestOutput:
-        seq = request.seq
-        text = request.detokenizer.text if request.detokenizer is not None else ""
-        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)
+    def take_token(self, sample: Sample, token: NewToken) -> None:
+        """Logprobs, text and stop strings for one new token (already appended to the sequence)."""
+        seq = sample.seq
+        if sample.logprobs is not None:
+            sample.logprobs.append(token.logprobs)
+            sample.cumulative_logprob += token.logprobs[token.token_id].logprob
+        if sample.detokenizer is None:
+            return
+        stop = sample.detokenizer.update([token.token_id], stop_terminated=seq.finish_reason == "stop")
+        if stop is not None:  # the text reached a stop string: the sequence ends here
+            if seq.is_finished:  # at its length limit on the same token: the stop string names the reason
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop_reason=stop)
+        if seq.is_finished:
+            sample.detokenizer.finish()
+
+    def decode_token(self, token_id: int) -> str:
+        """A token's own text (Logprob.decoded_token); the token's name where it is part of a character."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if "\ufffd" in text:
+                text = self.tokenizer.convert_ids_to_tokens(token_id)
+            self.token_texts[token_id] = text
+        return text
+
+    def make_output(self, request_id: str, request: Request) -> RequestOutput:
+        completions = []
+        for index, sample in enumerate(request.samples):
+            seq = sample.seq
+            token_ids = seq.output_token_ids
+            if seq.pending_sample_index >= 0:  # the placeholder of the step in flight is no token yet
+                token_ids = token_ids[:-1]
+            text = sample.detokenizer.output_text(seq.is_finished) if sample.detokenizer is not None else ""
+            logprobs = None if sample.logprobs is None else list(sample.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index, text, token_ids, seq.finish_reason, sample.cumulative_logprob, logprobs, seq.stop_reason
+                )
+            )
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=max(request.samples[0].seq.num_cached_tokens, 0),
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
         )
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 from pagedllm.outputs import Logprob, PositionLogprobs
 
 if TYPE_CHECKING:
+    from pagedllm.engine.plan_builder import PromptLogprobSpan
     from pagedllm.layers.logprobs import LogprobsTensors
+    from pagedllm.layers.sampling_batch import SamplingBatch
 
 
 def position_logprobs(
@@ -29,3 +32,29 @@ def position_logprobs(
             entries.setdefault(top_id, Logprob(top_logprob, rank, text(top_id)))
         positions.append(entries)
     return positions
+
+
+def sampled_position_logprobs(
+    batch: SamplingBatch,
+    logprobs: LogprobsTensors,
+    sampled_token_ids: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, PositionLogprobs]:
+    """Sample row -> its entries, for the rows of batch.logprob_rows (sampled_token_ids: every row's token)."""
+    rows = batch.logprob_rows.tolist()
+    chosen = [sampled_token_ids[row] for row in rows]
+    return dict(zip(rows, position_logprobs(logprobs, chosen, batch.num_logprobs.tolist(), decode)))
+
+
+def prompt_position_logprobs(
+    spans: list[PromptLogprobSpan],
+    logprobs: LogprobsTensors,
+    next_token_ids: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> list[list[PositionLogprobs]]:
+    """Each span's entries: the logprobs tensors hold the spans' rows one after the other, each row's chosen token
+    being the prompt token it predicts."""
+    num_logprobs = [span.seq.sampling_params.prompt_logprobs for span in spans for _ in range(span.num_rows)]
+    positions = position_logprobs(logprobs, next_token_ids, num_logprobs, decode)
+    bounds = list(accumulate((span.num_rows for span in spans), initial=0))
+    return [positions[start:end] for start, end in pairwise(bounds)]

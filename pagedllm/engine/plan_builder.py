@@ -5,25 +5,32 @@ This is the only place where scheduler objects become device inputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
-from pagedllm.executor.step_plan import SamplingArrays, StepPlan
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
+from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
 
 
-def sampling_arrays(seqs: list[Sequence]) -> SamplingArrays:
-    params: list[SamplingParams] = [seq.sampling_params for seq in seqs]
-    return SamplingArrays(
-        temperatures=np.array([p.temperature for p in params], dtype=np.float32),
-        top_ps=np.array([p.top_p for p in params], dtype=np.float32) if any(p.top_p < 1 for p in params) else None,
-        top_ks=np.array([p.top_k for p in params], dtype=np.int64) if any(p.top_k > 0 for p in params) else None,
-        seeds=[p.seed if p.temperature > 0 else None for p in params],
-        request_ids=[seq.request_id for seq in seqs],
-    )
+@dataclass(slots=True)
+class PromptLogprobSpan:
+    """Consecutive prompt logprob rows of one sequence: the logits at `first_position` and after, each predicting
+    the prompt token that follows."""
+
+    seq: Sequence
+    first_position: int
+    num_rows: int
+
+
+@dataclass(slots=True)
+class PlannedStep:
+    plan: StepPlan
+    owners: list[Sequence]  # owners[r] sampled row r
+    prompt_logprob_spans: list[PromptLogprobSpan]  # in the order of plan.prompt_logprob_rows
 
 
 def block_table_array(block_tables: list[list[int]], width: int) -> np.ndarray:
@@ -33,13 +40,43 @@ def block_table_array(block_tables: list[list[int]], width: int) -> np.ndarray:
     return table
 
 
-def build_step_plan(
-    batch: ScheduledBatch, step_id: int, block_size: int, table_width: int | None, finished_request_ids: list[str]
-) -> tuple[StepPlan, list[Sequence]]:
-    """Returns the plan and the sequences that own its sample rows, in row order.
+def step_sampling(batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan]) -> StepSampling:
+    params = [seq.sampling_params for seq in owners]
+    # Every sequence of one engine has the engine's EOS ids (min_tokens bans them).
+    eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
+    slots = [seq.slot for seq in owners]
+    targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
+    return StepSampling(
+        batch=build_sampling_batch(params, slots, [seq.num_output_tokens for seq in owners], eos_token_ids),
+        row_slots=np.array(slots, dtype=np.int64),
+        released_slots=batch.released_slots,
+        new_requests=[
+            SamplerRequest(seq.slot, seq.request_id, seq.sampling_params, seq.token_ids[: seq.num_prompt_tokens])
+            for seq in batch.new_slot_holders
+        ],
+        prompt_logprob_token_ids=np.fromiter(chain.from_iterable(targets), np.int64),
+        num_prompt_logprobs=max((s.seq.sampling_params.prompt_logprobs for s in spans), default=0),
+    )
 
-    table_width: every block table padded to this many entries (the CUDA graphs' buffer width); None = the widest.
-    """
+
+def prompt_logprob_spans(
+    seqs: list[Sequence], start: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray
+) -> tuple[list[PromptLogprobSpan], np.ndarray]:
+    """For each sequence that asked for prompt logprobs: the positions computed this step that predict a prompt
+    token (position p predicts token p + 1, so the last prompt position is not one), and their packed rows."""
+    spans, rows = [], []
+    for index, seq in enumerate(seqs):
+        if not seq.wants_prompt_logprobs:
+            continue
+        first, end = int(start[index]), min(int(seq_lens[index]), seq.num_prompt_tokens - 1)
+        if first < end:
+            spans.append(PromptLogprobSpan(seq, first, end - first))
+            rows.append(np.arange(end - first, dtype=np.int64) + query_start_loc[index])
+    return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+
+
+def build_step_plan(batch: ScheduledBatch, step_id: int, block_size: int, table_width: int | None) -> PlannedStep:
+    """table_width: every block table padded to this many entries (the CUDA graphs' buffer width); None = the widest."""
     seqs = batch.seqs
     num_new = np.array(batch.num_new_tokens, dtype=np.int64)
     start = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
@@ -57,9 +94,16 @@ def build_step_plan(
     block_tables = block_table_array([seq.block_table for seq in seqs], width)
     slot_mapping = block_tables[token_seq, positions // block_size] * np.int64(block_size) + positions % block_size
     sampled = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+    owners = [seqs[i] for i in sampled]
+    sample_rows = query_start_loc[1:][sampled] - 1
+    # A request's other samples take their first tokens from the row that completes its prompt (they fork after it).
+    forking = [(i, fork) for i in sampled for fork in seqs[i].forks]
+    if forking:
+        sample_rows = np.concatenate([sample_rows, [query_start_loc[i + 1] - 1 for i, _ in forking]])
+        owners += [fork for _, fork in forking]
     # A pending token is its sequence's only uncomputed token, so it is that sequence's first (only) new row.
     pending = [i for i, seq in enumerate(seqs) if seq.pending_sample_index >= 0]
-    owners = [seqs[i] for i in sampled]
+    spans, prompt_logprob_rows = prompt_logprob_spans(seqs, start, seq_lens, query_start_loc)
     plan = StepPlan(
         step_id=step_id,
         input_ids=input_ids,
@@ -68,13 +112,14 @@ def build_step_plan(
         query_start_loc=query_start_loc.astype(np.int32),
         seq_lens=seq_lens.astype(np.int32),
         block_tables=block_tables,
-        sample_rows=query_start_loc[1:][sampled] - 1,
+        sample_rows=sample_rows.astype(np.int64),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
         decode_only=bool((num_new == 1).all()),
         placeholder_rows=query_start_loc[pending],
         placeholder_sources=np.array([seqs[i].pending_sample_index for i in pending], dtype=np.int64),
-        sampling=sampling_arrays(owners),
-        finished_request_ids=finished_request_ids,
+        sampling=step_sampling(batch, owners, spans),
+        prompt_logprob_rows=prompt_logprob_rows,
+        block_copies=np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2),
     )
-    return plan, owners
+    return PlannedStep(plan, owners, spans)

@@ -6,6 +6,7 @@ back. Each sampling sequence of step N holds a PLACEHOLDER token meanwhile; step
 device from step N's samples. Invariant: row r of a step's samples belongs to owners[r], the sequences that
 sampled when the plan was built, whatever finishes or aborts before the rows are read. When the next schedule could
 preempt, every token is settled first (a preempted sequence must not hold a placeholder).
+Logprobs and prompt logprobs come back with the step's tokens, as vLLM's per-position dicts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.engine.plan_builder import build_step_plan
+from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
+from pagedllm.engine.plan_builder import PromptLogprobSpan, build_step_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
+from pagedllm.executor.step_plan import StepSampling
+from pagedllm.outputs import PositionLogprobs
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence
 
@@ -53,37 +57,63 @@ class StepRecord:
 class LaunchedStep:
     batch: ScheduledBatch
     owners: list[Sequence]  # owners[r] sampled row r of output
+    prompt_logprob_spans: list[PromptLogprobSpan]
+    sampling: StepSampling  # the plan's: which rows asked for logprobs, which prompt tokens the prompt rows predict
     output: StepOutput
     record: StepRecord
 
+    def nobody_waits(self) -> bool:
+        """Every sequence this step's results are for has ended (aborted): they can be dropped unread."""
+        return all(seq.is_finished for seq in self.owners) and all(s.seq.is_finished for s in self.prompt_logprob_spans)
+
+
+@dataclass(slots=True)
+class NewToken:
+    seq: Sequence  # already appended to it and checked against the stop rules
+    token_id: int
+    logprobs: PositionLogprobs | None  # when the sequence asked for logprobs
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    seq: Sequence
+    first_position: int  # positions[i] is for the prompt token at first_position + 1 + i
+    positions: list[PositionLogprobs]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step() read back: the record of that step (None if none was read back) and its results for the
+    sequences still live."""
+
+    record: StepRecord | None = None
+    tokens: list[NewToken] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
 
 class StepPipeline:
-    """Drives a scheduler and a worker (anything with execute(plan, previous) -> StepOutput and table_width)."""
+    """Drives a scheduler and a worker (anything with execute(plan, previous) -> StepOutput and table_width).
+    decode: a token id's text for Logprob.decoded_token (None leaves it None)."""
 
-    def __init__(self, scheduler: Scheduler, worker, overlap: bool):
-        self.scheduler, self.worker, self.overlap = scheduler, worker, overlap
+    def __init__(self, scheduler: Scheduler, worker, overlap: bool, decode: Callable[[int], str] | None = None):
+        self.scheduler, self.worker, self.overlap, self.decode = scheduler, worker, overlap, decode
         self.in_flight: LaunchedStep | None = None
         self.step_ids = itertools.count()
-        self.finished_request_ids: list[str] = []  # handed to the worker with the next plan
         # Set by a tracer: called with each launched step and the scheduler, its result goes in record.detail.
         self.describe_step: Callable[[LaunchedStep, Scheduler], StepDetail] | None = None
 
-    def forget(self, request_id: str) -> None:
-        """The request ended: its per-request device state goes with the next plan."""
-        self.finished_request_ids.append(request_id)
-
     def has_work(self) -> bool:
-        if self.in_flight is not None and all(seq.is_finished for seq in self.in_flight.owners):
-            self.in_flight = None  # every owner ended (aborted): nobody waits for these tokens
+        if self.in_flight is not None and self.in_flight.nobody_waits():
+            self.in_flight = None
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
-    def step(self) -> tuple[StepRecord | None, list[tuple[Sequence, int]]]:
-        """Run one step; returns the record of the step whose tokens were read back (None if none was) and each
-        live sequence with its new token, already appended and checked against the stop rules."""
+    def step(self) -> StepResult:
+        """Run one step; returns what came back: each live sequence's new token, already appended and checked
+        against the stop rules, and the prompt logprobs computed."""
         if not self.overlap:
             launched = self.launch(previous=None)
             if launched is None:
-                return None, []
+                return StepResult()
             self.scheduler.advance(launched.batch)
             return self.resolve(launched)
         if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
@@ -104,19 +134,18 @@ class StepPipeline:
         if batch.is_empty():
             return None
         batched_at = time.perf_counter()
-        finished, self.finished_request_ids = self.finished_request_ids, []
         step_id = next(self.step_ids)
-        plan, owners = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size,
-                                       self.worker.table_width, finished)  # fmt: skip
+        planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.worker.table_width)
         planned_at = time.perf_counter()
-        output = self.worker.execute(plan, previous.output if previous is not None else None)
+        sampling = planned.plan.sampling  # kept here: the worker may pad the plan
+        output = self.worker.execute(planned.plan, previous.output if previous is not None else None)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
         record = StepRecord(
             step_id=step_id,
             num_seqs=len(batch.seqs),
             num_prefill_tokens=batch.num_tokens - num_decode,
             num_decode_tokens=num_decode,
-            num_sampled=len(owners),
+            num_sampled=len(planned.owners),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.scheduler.block_manager.num_free_blocks,
@@ -127,23 +156,42 @@ class StepPipeline:
             launched_at=time.perf_counter(),
             events=output.events,
         )
-        launched = LaunchedStep(batch, owners, output, record)
+        launched = LaunchedStep(batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record)
         if self.describe_step is not None:
             record.detail = self.describe_step(launched, self.scheduler)
         return launched
 
-    def resolve_in_flight(self) -> tuple[StepRecord | None, list[tuple[Sequence, int]]]:
+    def resolve_in_flight(self) -> StepResult:
         if self.in_flight is None:
-            return None, []
+            return StepResult()
         launched, self.in_flight = self.in_flight, None
         return self.resolve(launched)
 
-    def resolve(self, launched: LaunchedStep) -> tuple[StepRecord, list[tuple[Sequence, int]]]:
-        """Read the step's tokens (waiting for the device) and hand each to its owner, unless it ended meanwhile."""
+    def resolve(self, launched: LaunchedStep) -> StepResult:
+        """Read the step's results (waiting for the device) and hand them to their sequences, unless these ended
+        meanwhile: first the prompt logprobs, then each token to its owner."""
         launched.record.resolve_started_at = time.perf_counter()
+        result = StepResult(launched.record, prompt_logprobs=self.prompt_logprobs(launched))
         token_ids = launched.output.token_ids()
-        live = [(seq, token) for seq, token in zip(launched.owners, token_ids, strict=True) if not seq.is_finished]
-        self.scheduler.append_tokens([seq for seq, _ in live], [token for _, token in live])
+        live = [row for row, seq in enumerate(launched.owners) if not seq.is_finished]
+        self.scheduler.append_tokens([launched.owners[row] for row in live], [token_ids[row] for row in live])
+        logprobs = {}
+        if launched.sampling.batch.logprob_rows is not None:
+            tensors = launched.output.logprobs()
+            logprobs = sampled_position_logprobs(launched.sampling.batch, tensors, token_ids, self.decode)
+        result.tokens = [NewToken(launched.owners[row], token_ids[row], logprobs.get(row)) for row in live]
         launched.record.num_generated = len(live)
         launched.record.resolved_at = time.perf_counter()
-        return launched.record, live
+        return result
+
+    def prompt_logprobs(self, launched: LaunchedStep) -> list[PromptLogprobs]:
+        spans = launched.prompt_logprob_spans
+        if not spans:
+            return []
+        next_token_ids = launched.sampling.prompt_logprob_token_ids.tolist()
+        positions = prompt_position_logprobs(spans, launched.output.prompt_logprobs(), next_token_ids, self.decode)
+        return [
+            PromptLogprobs(span.seq, span.first_position, entries)
+            for span, entries in zip(spans, positions)
+            if not span.seq.is_finished
+        ]

@@ -110,7 +110,9 @@ class Roofline:
         return self.prefill_s + self.decode_s
 
 
-def roofline(shape: str, prompts: list[list[int]], output_lens: list[int], flops: float, bandwidth: float) -> Roofline:
+def roofline(
+    shape: str, prompts: list[list[int]], output_lens: list[int], flops: float, bandwidth: float, kv_cache_dtype: str
+) -> Roofline:
     """Lower bound for the workload: prefill is compute-bound, decode reads weights once per step (all sequences
     decode together, so steps = the longest output) plus each sequence's whole KV at every token."""
     s = SHAPES[shape]
@@ -119,7 +121,9 @@ def roofline(shape: str, prompts: list[list[int]], output_lens: list[int], flops
     layer_params = s["hidden_size"] * (2 * q_size + 2 * kv_size) + 3 * s["hidden_size"] * s["intermediate_size"]
     body_params, head_params = s["num_hidden_layers"] * layer_params, s["vocab_size"] * s["hidden_size"]
     attention_flops_per_pair = 4 * s["num_hidden_layers"] * q_size  # QK^T and PV, per (query, key) pair
-    kv_bytes_per_token = 2 * s["num_hidden_layers"] * kv_size * 2  # K and V in bf16
+    # K and V in bf16, or fp8 plus a float32 scale per head
+    kv_bytes_per_head = head_dim + 4 if kv_cache_dtype == "fp8" else 2 * head_dim
+    kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * kv_bytes_per_head
 
     prompt_lens = [len(p) for p in prompts]
     prefill_flops = 2 * body_params * sum(prompt_lens) + 2 * head_params * len(prompts)
@@ -221,7 +225,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     llm = LLM(
         str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
         trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
     )  # fmt: skip
     load_s = time.perf_counter() - start
@@ -240,7 +244,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     flops, bandwidth = measure_ceilings(device)
     # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted)
     bound = roofline(args.shape, prompts, output_lens, flops * args.tensor_parallel_size,
-                     bandwidth * args.tensor_parallel_size)  # fmt: skip
+                     bandwidth * args.tensor_parallel_size, args.kv_cache_dtype)  # fmt: skip
     if tracer is not None:
         save_trace_and_plot(llm, args, windows[runs.index(median)], median.output_tokens / bound.total_s)
     num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
@@ -252,6 +256,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_kv_blocks": num_kv_blocks,
         "load_s": load_s,
         "runs": [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in runs],
@@ -284,7 +289,8 @@ def print_table(result: dict) -> None:
     print(
         f"\n{result['shape']} on {result['gpu']} x{result['tensor_parallel_size']}  "
         f"({'traced, ' if result['traced'] else ''}graphs {'off' if result['enforce_eager'] else 'on'}, "
-        f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks, load {result['load_s']:.1f} s)"
+        f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks of {result['kv_cache_dtype']}, "
+        f"load {result['load_s']:.1f} s)"
     )
     print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
     print("|---|---|---|---|---|")
@@ -311,6 +317,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (3)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (1)")

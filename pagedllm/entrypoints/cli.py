@@ -23,9 +23,14 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer (256)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the default; try 0.7")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's probability")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
+    group.add_argument("--stop", action="append", default=[], help="stop at this text (repeat the flag for several)")
     group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
+    group.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8: twice the tokens")
     threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
     group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
     tp_help = "split the model over this many processes, one per GPU (or CPU ranks); 1 = one process (1)"
@@ -55,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="complete prompts given as arguments or in a file")
     generate.add_argument("prompts", nargs="*", help="prompts to complete")
     generate.add_argument("--file", help="a text file with one prompt per line")
+    generate.add_argument("--n", type=int, default=1, help="completions per prompt (sample i uses seed + i)")
+    generate.add_argument("--logprobs", type=int, help="print each token's logprob and the N most likely tokens")
     add_common_flags(generate)
     from pagedllm.entrypoints.bench import build_parser as build_bench_parser
 
@@ -88,7 +95,7 @@ def make_llm(args: argparse.Namespace):
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     return LLM(
-        args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
     )  # fmt: skip
@@ -97,7 +104,11 @@ def make_llm(args: argparse.Namespace):
 def sampling_params(args: argparse.Namespace):
     from pagedllm import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, stop=args.stop, max_tokens=args.max_tokens,
+        n=getattr(args, "n", 1), logprobs=getattr(args, "logprobs", None),
+    )  # fmt: skip
 
 
 def stream_reply(llm, conversation: list[dict], params) -> str:
@@ -159,7 +170,23 @@ def run_generate(args: argparse.Namespace) -> None:
     for index, output in enumerate(outputs):
         if len(outputs) > 1:
             print(f"--- [{index}] {output.prompt}")
-        print(output.outputs[0].text, flush=True)
+        for completion in output.outputs:
+            if params.n > 1:
+                print(f"--- sample {completion.index}")
+            print(completion.text, flush=True)
+            if completion.logprobs is not None:
+                print(describe_logprobs(completion), flush=True)
+
+
+def describe_logprobs(completion) -> str:
+    """One line per generated token: its logprob, then the most likely tokens with theirs."""
+    lines = []
+    for token_id, entries in zip(completion.token_ids, completion.logprobs):
+        chosen = entries[token_id]
+        top = ", ".join(f"{e.decoded_token!r} {e.logprob:.3f}" for e in sorted(entries.values(), key=lambda e: e.rank))
+        lines.append(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}  rank {chosen.rank:<4} top: {top}")
+    lines.append(f"  cumulative logprob {completion.cumulative_logprob:.3f}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,10 @@ class DistributedExecutor:
         return self.worker.table_width
 
     @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
     def num_kv_blocks(self) -> int:
         return self.worker.num_kv_blocks
 

@@ -1,4 +1,5 @@
-"""How many KV blocks fit, and the cache itself: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim].
+"""How many KV blocks fit, and the cache itself: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim]
+(and with kv_cache_dtype="fp8", float32 scales of [num_blocks, kv_heads, block_size] for each; attention/fp8.py).
 
 Size order: num_kv_blocks if given, else kv_cache_memory_bytes, else a default: on CUDA what
 gpu_memory_utilization leaves after the weights and the peak of a warm-up step; on CPU a share of free memory.
@@ -7,9 +8,14 @@ gpu_memory_utilization leaves after the weights and the peak of a warm-up step; 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.fp8 import FP8_DTYPE, SCALE_DTYPE
+from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
 from pagedllm.layers.parallel_state import kv_heads_per_rank
 from pagedllm.models.spec import DecoderSpec
@@ -18,10 +24,42 @@ CPU_MEMORY_SHARE = 0.2
 CPU_MAX_KV_BYTES = 1 << 30
 
 
-def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, tp_size: int) -> int:
-    """One block of one rank, which holds only its own KV heads."""
+@dataclass(slots=True)
+class KVCache:
+    keys: torch.Tensor  # [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    values: torch.Tensor
+    key_scales: torch.Tensor | None  # [num_layers, num_blocks, kv_heads, block_size] float32; fp8 caches only
+    value_scales: torch.Tensor | None
+
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """copies [n, 2] int64 (source, destination) block ids: every layer's K and V (and scales) of each source
+        block are copied to its destination (copy-on-write of a block that several samples of a request shared).
+        Float8 goes through uint8 views: index ops need not support float8 on every device."""
+        for tensor in (self.keys, self.values, self.key_scales, self.value_scales):
+            if tensor is not None:
+                raw = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor
+                raw[:, copies[:, 1]] = raw[:, copies[:, 0]]
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = (self.keys, self.values, self.key_scales, self.value_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV values are stored in: EngineConfig.kv_cache_dtype "auto" = the model's, "fp8" = e4m3."""
+    return FP8_DTYPE if kv_cache_dtype == "fp8" else model_dtype
+
+
+def kv_block_bytes(
+    spec: DecoderSpec, block_size: int, dtype: torch.dtype, tp_size: int, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes of one block of one rank (which holds only its own KV heads) over all layers, K and V, scales included."""
     kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp_size)
-    return 2 * spec.num_layers * block_size * kv_heads * spec.head_dim * dtype.itemsize
+    bytes_per_head = spec.head_dim * cache_dtype(kv_cache_dtype, dtype).itemsize
+    if kv_cache_dtype == "fp8":
+        bytes_per_head += SCALE_DTYPE.itemsize
+    return 2 * spec.num_layers * block_size * kv_heads * bytes_per_head
 
 
 def available_cpu_memory() -> int:
@@ -72,10 +110,34 @@ def choose_num_kv_blocks(
 
 
 def allocate_kv_cache(
-    spec: DecoderSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, tp_size: int
-) -> torch.Tensor:
-    """[2 (K, V), num_layers, num_blocks, block_size, kv_heads, head_dim], zeroed: the torch backend reads slots
-    past a sequence's end (masked out, but NaN from uninitialised memory would survive the mask)."""
+    spec: DecoderSpec,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_size: int,
+    kv_cache_dtype: str = "auto",
+) -> KVCache:
+    """Zeroed: the torch backend reads slots past a sequence's end (masked out, but NaN from uninitialised memory
+    would survive the mask)."""
     kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp_size)
-    shape = (2, spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    shape = (spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim)
+    values_dtype = cache_dtype(kv_cache_dtype, dtype)
+    keys, values = (torch.zeros(shape, dtype=values_dtype, device=device) for _ in range(2))
+    if kv_cache_dtype != "fp8":
+        return KVCache(keys, values, None, None)
+    scale_shape = (spec.num_layers, num_blocks, kv_heads, block_size)
+    key_scales, value_scales = (torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(2))
+    return KVCache(keys, values, key_scales, value_scales)
+
+
+def bind_kv_cache(model: nn.Module, cache: KVCache, backend: AttentionBackend) -> None:
+    """Give each attention layer, in model order, its layer of the cache and the backend."""
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    assert len(layers) == cache.keys.shape[0], "one cache layer per attention layer"
+    for index, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache, layer.backend = cache.keys[index], cache.values[index], backend
+        if cache.key_scales is not None:
+            layer.k_scale, layer.v_scale = cache.key_scales[index], cache.value_scales[index]
+        else:
+            layer.k_scale = layer.v_scale = None

@@ -12,33 +12,35 @@ import torch.distributed as dist
 from pagedllm.executor.step_plan import StepPlan
 
 RUN_STEP, SHUT_DOWN = 1, 2
-# header: command, step_id, num_tokens, num_seqs, table_width, num_sampled, num_placeholders, max_query_len,
-# max_seq_len, decode_only
-HEADER_SIZE = 10
+# header: command, step_id, num_tokens, num_seqs, table_width, num_sampled, num_placeholders,
+# num_prompt_logprob_rows, num_block_copies, max_query_len, max_seq_len, decode_only
+HEADER_SIZE = 12
 
 
 def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a plan: int64 tensors, the header HEADER_SIZE long."""
     num_seqs, table_width = plan.block_tables.shape
     header = [RUN_STEP, plan.step_id, plan.num_tokens, num_seqs, table_width, plan.num_sampled,
-              len(plan.placeholder_rows), plan.max_query_len, plan.max_seq_len, int(plan.decode_only)]  # fmt: skip
+              len(plan.placeholder_rows), len(plan.prompt_logprob_rows), len(plan.block_copies), plan.max_query_len,
+              plan.max_seq_len, int(plan.decode_only)]  # fmt: skip
     arrays = (plan.input_ids, plan.positions, plan.slot_mapping, plan.query_start_loc, plan.seq_lens,
-              plan.block_tables.ravel(), plan.sample_rows, plan.placeholder_rows, plan.placeholder_sources)  # fmt: skip
+              plan.block_tables.ravel(), plan.sample_rows, plan.placeholder_rows, plan.placeholder_sources,
+              plan.prompt_logprob_rows, plan.block_copies.ravel())  # fmt: skip
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays, dtype=np.int64))
 
 
 def array_lengths(header: list[int]) -> list[int]:
     """How long each of the payload's arrays is, in the order pack_plan concatenates them."""
-    _, _, num_tokens, num_seqs, width, num_sampled, num_placeholders = header[:7]
-    return [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, num_sampled] + [num_placeholders] * 2
+    _, _, num_tokens, num_seqs, width, num_sampled, num_placeholders, num_prompt_rows, num_copies = header[:9]
+    tokens, seqs = [num_tokens] * 3, [num_seqs + 1, num_seqs, num_seqs * width]
+    return tokens + seqs + [num_sampled, num_placeholders, num_placeholders, num_prompt_rows, 2 * num_copies]
 
 
 def unpack_plan(header: list[int], payload: np.ndarray) -> StepPlan:
     """The plan pack_plan packed, without its sampling arrays."""
-    _, step_id, _, num_seqs, width, _, _, max_query_len, max_seq_len, decode_only = header
-    input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources = np.split(
-        payload, np.cumsum(array_lengths(header))[:-1]
-    )
+    _, step_id, _, num_seqs, width, _, _, _, _, max_query_len, max_seq_len, decode_only = header
+    arrays = np.split(payload, np.cumsum(array_lengths(header))[:-1])
+    input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources, prompt_rows, copies = arrays
     return StepPlan(
         step_id=step_id,
         input_ids=input_ids,
@@ -54,6 +56,8 @@ def unpack_plan(header: list[int], payload: np.ndarray) -> StepPlan:
         placeholder_rows=rows,
         placeholder_sources=sources,
         sampling=None,
+        prompt_logprob_rows=prompt_rows,
+        block_copies=copies.reshape(-1, 2),
     )
 
 

@@ -10,14 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.executor.step_plan import SamplingArrays, StepPlan
-
-
-@dataclass(slots=True)
-class SamplingInputs:
-    temperatures: torch.Tensor
-    top_ps: torch.Tensor | None
-    top_ks: torch.Tensor | None
+from pagedllm.executor.step_plan import StepPlan
 
 
 @dataclass(slots=True)
@@ -28,7 +21,6 @@ class StepInputs:
     sample_rows: torch.Tensor
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
-    sampling: SamplingInputs | None  # None where the plan has no sampling arrays (ranks other than 0)
 
 
 def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
@@ -79,9 +71,6 @@ class StepBuffers:
     sample_rows: PinnedBuffer  # [max_seqs] int64
     placeholder_rows: PinnedBuffer  # [max_seqs] int64
     placeholder_sources: PinnedBuffer  # [max_seqs] int64
-    temperatures: PinnedBuffer  # [max_seqs] float32
-    top_ps: PinnedBuffer  # [max_seqs] float32
-    top_ks: PinnedBuffer  # [max_seqs] int64
     # The host twins are rewritten each step: wait until the previous step's copies have left them.
     uploads_done: torch.cuda.Event
 
@@ -100,9 +89,6 @@ class StepBuffers:
             sample_rows=buffer((max_seqs,), torch.int64),
             placeholder_rows=buffer((max_seqs,), torch.int64),
             placeholder_sources=buffer((max_seqs,), torch.int64),
-            temperatures=buffer((max_seqs,), torch.float32),
-            top_ps=buffer((max_seqs,), torch.float32),
-            top_ks=buffer((max_seqs,), torch.int64),
             uploads_done=torch.cuda.Event(),
         )
         buffers.slot_mapping.device.fill_(-1)
@@ -111,7 +97,6 @@ class StepBuffers:
     def upload(self, plan: StepPlan) -> StepInputs:
         """Every copy goes from pinned memory, so none of them waits for the device to finish earlier steps."""
         self.uploads_done.synchronize()
-        sampling = plan.sampling
         inputs = StepInputs(
             input_ids=self.input_ids.upload(plan.input_ids),
             positions=self.positions.upload(plan.positions),
@@ -127,17 +112,9 @@ class StepBuffers:
             sample_rows=self.sample_rows.upload(plan.sample_rows),
             placeholder_rows=self.placeholder_rows.upload(plan.placeholder_rows),
             placeholder_sources=self.placeholder_sources.upload(plan.placeholder_sources),
-            sampling=None if sampling is None else self.upload_sampling(sampling),
         )
         self.uploads_done.record()
         return inputs
-
-    def upload_sampling(self, sampling: SamplingArrays) -> SamplingInputs:
-        return SamplingInputs(
-            temperatures=self.temperatures.upload(sampling.temperatures),
-            top_ps=None if sampling.top_ps is None else self.top_ps.upload(sampling.top_ps),
-            top_ks=None if sampling.top_ks is None else self.top_ks.upload(sampling.top_ks),
-        )
 
 
 def wrap_plan(plan: StepPlan) -> StepInputs:
@@ -157,16 +134,4 @@ def wrap_plan(plan: StepPlan) -> StepInputs:
         sample_rows=torch.from_numpy(plan.sample_rows),
         placeholder_rows=torch.from_numpy(plan.placeholder_rows),
         placeholder_sources=torch.from_numpy(plan.placeholder_sources),
-        sampling=None if plan.sampling is None else wrap_sampling(plan.sampling),
-    )
-
-
-def wrap_sampling(sampling: SamplingArrays) -> SamplingInputs:
-    def optional(array: np.ndarray | None) -> torch.Tensor | None:
-        return None if array is None else torch.from_numpy(array)
-
-    return SamplingInputs(
-        temperatures=torch.from_numpy(sampling.temperatures),
-        top_ps=optional(sampling.top_ps),
-        top_ks=optional(sampling.top_ks),
     )

@@ -1,5 +1,6 @@
-"""StepOutput: what one step produced. Token ids are on the device at once and on the host when asked for, so the
-engine can queue the next step before this one's tokens are read back.
+"""StepOutput: what one step produced. Token ids are on the device at once (the next step may read them there) and
+on the host when asked for, with the logprobs that were asked for, so the engine can queue the next step before this
+one's results are read back.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.layers.logprobs import LogprobsTensors
+from pagedllm.layers.sampler import SamplerOutput
 
 
 class HostMark:
@@ -49,31 +53,48 @@ class StepEvents:
 
 
 class StepOutput:
-    """sampled_token_ids[r] is the token sampled for the plan's sample row r."""
+    """sampled_token_ids[r] is the token sampled for the plan's sample row r. The host copies start at once
+    (asynchronously on CUDA); token_ids(), logprobs() and prompt_logprobs() wait for them."""
 
-    def __init__(self, step_id: int, sampled_token_ids: torch.Tensor | None, events: StepEvents | None = None):
+    def __init__(
+        self,
+        step_id: int,
+        sampled: SamplerOutput | None,
+        prompt_logprobs: LogprobsTensors | None = None,
+        events: StepEvents | None = None,
+    ):
         self.step_id = step_id
-        self.sampled_token_ids = sampled_token_ids
+        self.sampled_token_ids = None if sampled is None else sampled.sampled_token_ids  # on the device
         self.events = events
-        self.host_token_ids: torch.Tensor | None = None
+        self.host_sampled = None if sampled is None else sampled.to_host()
+        self.host_prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.to_host()
         self.copied: torch.cuda.Event | None = None
-        # Raises if the tokens cannot be trusted (a tensor-parallel rank failed while the step ran).
+        # Raises if the results cannot be trusted (a tensor-parallel rank failed while the step ran).
         self.check_ranks: Callable[[], None] | None = None
-        if sampled_token_ids is not None and sampled_token_ids.is_cuda:
-            self.host_token_ids = torch.empty(sampled_token_ids.shape, dtype=sampled_token_ids.dtype, pin_memory=True)
-            self.host_token_ids.copy_(sampled_token_ids, non_blocking=True)
+        on_cuda = sampled is not None and sampled.sampled_token_ids.is_cuda
+        if on_cuda or (prompt_logprobs is not None and prompt_logprobs.token_logprobs.is_cuda):
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def token_ids(self) -> list[int]:
-        """Waits for the device when the step is still running."""
-        if self.sampled_token_ids is None:
-            return []
-        if self.copied is None:
-            token_ids = self.sampled_token_ids.tolist()
-        else:
+    def wait(self) -> None:
+        if self.copied is not None:
             self.copied.synchronize()
-            token_ids = self.host_token_ids.tolist()
         if self.check_ranks is not None:
             self.check_ranks()
-        return token_ids
+
+    def token_ids(self) -> list[int]:
+        """Waits for the device when the step is still running."""
+        if self.host_sampled is None:
+            return []
+        self.wait()
+        return self.host_sampled.sampled_token_ids.tolist()
+
+    def logprobs(self) -> LogprobsTensors | None:
+        """On the host: one row per SamplingBatch.logprob_rows entry; None when no row asked."""
+        self.wait()
+        return None if self.host_sampled is None else self.host_sampled.logprobs
+
+    def prompt_logprobs(self) -> LogprobsTensors | None:
+        """On the host: one row per plan.prompt_logprob_rows entry."""
+        self.wait()
+        return self.host_prompt_logprobs

@@ -11,16 +11,32 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.layers.sampling_batch import SamplingBatch
+from pagedllm.sampling_params import SamplingParams
+
 
 @dataclass(slots=True)
-class SamplingArrays:
-    """Per sampled row. top_ps / top_ks are None when no row uses them, so such a batch pays nothing for them."""
+class SamplerRequest:
+    """A sequence that took a slot: the sampler sets up its state there (penalty counts, seeded generator)."""
 
-    temperatures: np.ndarray  # [num_sampled] float32; 0 = greedy
-    top_ps: np.ndarray | None  # [num_sampled] float32
-    top_ks: np.ndarray | None  # [num_sampled] int64; 0 = off
-    seeds: list[int | None]  # per row: the request's seed, or None to draw from the engine's generator
-    request_ids: list[str]  # per row: whose random state a seeded row advances
+    slot: int
+    request_id: str
+    params: SamplingParams  # one sample's: n = 1, and its own seed
+    prompt_token_ids: list[int]  # for repetition_penalty, which counts prompt tokens too
+
+
+@dataclass(slots=True)
+class StepSampling:
+    """The part of a plan only the sampling rank needs (rank 0; None on the other tensor-parallel ranks)."""
+
+    batch: SamplingBatch  # per sample row: temperatures, truncation, seeds, penalties, logprobs
+    row_slots: np.ndarray  # [num_sampled] int64: each sample row's slot
+    # Applied before this step samples, releases first (a slot released and taken again in one plan is reset).
+    released_slots: list[int] = field(default_factory=list)
+    new_requests: list[SamplerRequest] = field(default_factory=list)
+    # The prompt token each prompt_logprob_rows row predicts, and the largest top-N asked for among those rows.
+    prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    num_prompt_logprobs: int = 0
 
 
 @dataclass(slots=True)
@@ -32,16 +48,20 @@ class StepPlan:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     seq_lens: np.ndarray  # [num_seqs] int32: context length after this step
     block_tables: np.ndarray  # [num_seqs, width] int32
-    sample_rows: np.ndarray  # [num_sampled] int64: packed row of each sampling sequence's last new token
+    # [num_sampled] int64: packed row of each sampling sequence's last new token. A request's first sample row
+    # may repeat for its other samples (n > 1), which take their first tokens from the same logits.
+    sample_rows: np.ndarray
     max_query_len: int
     max_seq_len: int
     decode_only: bool  # every sequence has exactly one new token
     # Rows whose input token was sampled by the step still in flight, and that token's row among its samples.
     placeholder_rows: np.ndarray  # [num_placeholders] int64
     placeholder_sources: np.ndarray  # [num_placeholders] int64
-    sampling: SamplingArrays | None  # None on tensor-parallel ranks other than 0, which do not sample
-    # Requests that ended since the last plan: the device side drops their per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
+    sampling: StepSampling | None  # None on tensor-parallel ranks other than 0, which do not sample
+    # Packed rows whose logits give prompt logprobs (the position predicting the next prompt token).
+    prompt_logprob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [num_copies, 2] int64 (source, destination) KV blocks to copy before the step: copy-on-write of shared blocks.
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
 
     @property
     def num_seqs(self) -> int:

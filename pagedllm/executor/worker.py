@@ -1,8 +1,8 @@
 """Worker: the device side of the engine. It owns the model and its weights, the KV cache, the attention backend,
-the CUDA graphs, the step buffers and per-request random state, and turns a StepPlan into a StepOutput.
+the CUDA graphs, the step buffers and the sampler with its per-request state, and turns a StepPlan into a StepOutput.
 
 Under tensor parallelism every rank has a Worker holding its shard; all of them execute the same plans in the same
-order (their collectives pair up that way), and only rank 0 samples.
+order (their collectives pair up that way), and only rank 0 has a sampler.
 """
 
 from __future__ import annotations
@@ -10,30 +10,30 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedllm.executor.kv_cache import allocate_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
-from pagedllm.executor.step_plan import SamplingArrays, StepPlan
+from pagedllm.executor.step_plan import StepPlan, StepSampling
+from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
-from pagedllm.layers.sampler import SamplingTensors, sample
+from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampling_batch import build_sampling_batch, upload_array
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
+from pagedllm.sampling_params import SamplingParams
 
-
-def make_attention_backend(name: str | None, device: torch.device):
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
+# Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
+PROMPT_LOGPROB_CHUNK = 256
+# Start-up runs its largest steps with these settings, so the KV cache is sized after the sampler's largest
+# footprint: a full sort (top-p alone) and logprobs for every row.
+WARMUP_SAMPLING = SamplingParams(top_p=0.9, logprobs=20)
+WARMUP_PROMPT_LOGPROBS = 20
 
 
 class Worker:
@@ -64,30 +64,36 @@ class Worker:
         with building_with(tp):
             self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
-        self.backend = make_attention_backend(config.attention_backend, device)
-        self.generators: dict[str, torch.Generator] = {}  # request id -> its own stream, for seeded requests
-        self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.backend = select_backend(config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype)
+        # One slot per sequence the scheduler may have admitted at once (running or preempted): max_num_seqs.
+        # Only rank 0 samples.
+        self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed) if tp.rank == 0 else None
+        if device.type == "cuda" and self.sampler is not None:
+            self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
-        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size)
+        block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size, config.kv_cache_dtype)
         num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
         # Every rank holds the same block ids, so the rank with the least room sets the number.
         self.num_kv_blocks = tp.min_over_ranks(num_kv_blocks)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         log = logger.info if tp.rank == 0 else logger.debug
         log(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; attention backend %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; attention backend %s",
             self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
-            self.num_kv_blocks * block_bytes / 2**30, device, self.backend.name,
+            self.num_kv_blocks * block_bytes / 2**30, ", fp8" if config.kv_cache_dtype == "fp8" else "", device,
+            self.backend.name,
         )  # fmt: skip
         if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
             self.graphs.capture()
+        if device.type == "cuda" and self.sampler is not None:
+            self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
 
-    def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        kv_cache = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device, self.tp.size)
-        layers = [module for module in self.model.modules() if hasattr(module, "k_cache")]
-        for index, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, index], kv_cache[1, index], self.backend
+    def bind_kv_cache(self, num_blocks: int) -> KVCache:
+        kv_cache = allocate_kv_cache(
+            self.spec, num_blocks, self.block_size, self.dtype, self.device, self.tp.size, self.config.kv_cache_dtype
+        )
+        bind_kv_cache(self.model, kv_cache, self.backend)
         return kv_cache
 
     @torch.inference_mode()
@@ -105,7 +111,8 @@ class Worker:
         self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
-        """Every sequence computes seq_len tokens of id 0 from scratch and samples with top-k and top-p on."""
+        """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,
+        the one that samples); a prefill also takes a chunk of prompt logprobs."""
         num_seqs = len(block_tables)
         positions = np.tile(np.arange(seq_len, dtype=np.int64), num_seqs)
         rows = np.repeat(np.arange(num_seqs), seq_len)
@@ -113,6 +120,7 @@ class Worker:
         if self.table_width is not None:
             block_tables = np.pad(block_tables, ((0, 0), (0, self.table_width - block_tables.shape[1])))
         query_start_loc = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
+        num_prompt_logprob_rows = 0 if seq_len == 1 else min(PROMPT_LOGPROB_CHUNK, len(positions))
         return StepPlan(
             step_id=-1,
             input_ids=np.zeros(num_seqs * seq_len, dtype=np.int64),
@@ -127,13 +135,15 @@ class Worker:
             decode_only=seq_len == 1,
             placeholder_rows=np.zeros(0, dtype=np.int64),
             placeholder_sources=np.zeros(0, dtype=np.int64),
-            sampling=SamplingArrays(
-                temperatures=np.ones(num_seqs, dtype=np.float32),
-                top_ps=np.full(num_seqs, 0.9, dtype=np.float32),
-                top_ks=np.full(num_seqs, 50, dtype=np.int64),
-                seeds=[None] * num_seqs,
-                request_ids=[""] * num_seqs,
-            ),
+            sampling=StepSampling(
+                batch=build_sampling_batch([WARMUP_SAMPLING] * num_seqs),
+                row_slots=np.zeros(num_seqs, dtype=np.int64),  # no state: these settings need none
+                prompt_logprob_token_ids=np.zeros(num_prompt_logprob_rows, dtype=np.int64),
+                num_prompt_logprobs=WARMUP_PROMPT_LOGPROBS,
+            )
+            if self.sampler is not None
+            else None,
+            prompt_logprob_rows=np.arange(num_prompt_logprob_rows, dtype=np.int64),
         )
 
     @torch.inference_mode()
@@ -142,7 +152,10 @@ class Worker:
         (sampled by the step in flight) are taken on the device from `previous`."""
         if self.model is None:
             raise RuntimeError("this engine was shut down; create a new LLM")
-        self.release(plan.finished_request_ids)
+        if plan.sampling is not None:
+            self.update_sampler(plan.sampling)
+        if len(plan.block_copies):
+            self.kv_cache.copy_blocks(upload_array(plan.block_copies, self.device))
         padded_size = None
         if self.buffers is not None and plan.decode_only:
             # A CUDA decode step runs at a graph batch size, with graphs or without: the same matmul shapes make
@@ -165,10 +178,11 @@ class Worker:
         if plan.num_sampled:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # None on ranks other than 0
             if logits is not None:
-                sampled = sample(logits.float(), self.sampling_tensors(plan.sampling, inputs.sampling))
+                sampled = self.sampler(logits, plan.sampling.batch)
+        prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None
         if events is not None:
             events.end.record()
-        return StepOutput(plan.step_id, sampled, events)
+        return StepOutput(plan.step_id, sampled, prompt_logprobs, events)
 
     def fill_placeholders(self, inputs: StepInputs, previous: StepOutput | None) -> None:
         """Input tokens sampled by the step still in flight are taken from its samples, on the device. Only rank 0
@@ -181,29 +195,28 @@ class Worker:
         self.tp.broadcast_from_first(tokens)
         inputs.input_ids.index_copy_(0, inputs.placeholder_rows, tokens)
 
-    def sampling_tensors(self, arrays: SamplingArrays, inputs) -> SamplingTensors:
-        temperatures = arrays.temperatures
-        return SamplingTensors(
-            temperatures=inputs.temperatures,
-            top_ps=inputs.top_ps,
-            top_ks=inputs.top_ks,
-            generators=[self.generator_for(key, seed) for key, seed in zip(arrays.request_ids, arrays.seeds)],
-            default_generator=self.default_generator,
-            all_greedy=bool((temperatures == 0).all()),
-            any_greedy=bool((temperatures == 0).any()),
-        )
+    def update_sampler(self, sampling: StepSampling) -> None:
+        """Releases first: a slot released and taken again in one plan starts clean."""
+        for slot in sampling.released_slots:
+            self.sampler.release(slot)
+        for request in sampling.new_requests:
+            self.sampler.add_request(request.slot, request.params, request.prompt_token_ids)
 
-    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = self.generators.get(request_id)
-        if generator is None:
-            generator = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return generator
-
-    def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+    def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors | None:
+        """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that
+        predict it, PROMPT_LOGPROB_CHUNK rows at a time (a long prompt's logits would not fit at once). None on
+        ranks other than 0, which only send their shard of each chunk's logits."""
+        rows = upload_array(plan.prompt_logprob_rows, self.device)
+        sampling = plan.sampling
+        next_token_ids = upload_array(sampling.prompt_logprob_token_ids, self.device) if sampling is not None else None
+        chunks = []
+        for start in range(0, len(rows), PROMPT_LOGPROB_CHUNK):
+            chunk = slice(start, start + PROMPT_LOGPROB_CHUNK)
+            logits = self.model.compute_logits(hidden[rows[chunk]])
+            if logits is not None:
+                logprobs = logits.float().log_softmax(dim=-1)
+                chunks.append(compute_logprobs(logprobs, next_token_ids[chunk], sampling.num_prompt_logprobs))
+        return LogprobsTensors.concat(chunks) if chunks else None
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once)."""

@@ -2,6 +2,7 @@
 
 The grid depends only on the (padded) batch size, num_kv_heads and num_splits, never on tensor values, and the
 launcher reads no tensor on the host, so a CUDA graph can capture it. Padding rows (seq_len 0) produce zeros.
+Any head_dim (padded to a power of two inside, masked); an fp8 cache is upcast tile by tile (prefill_attention.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.prefill_attention import attend_kv_tile
+from pagedllm.kernels.prefill_attention import attend_kv_tile, padded_head_dim
 
 DEFAULT_BLOCK_N = 64
+WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: K/V tiles of all stages stay within shared memory (untuned)
 MAX_SPLITS = 16
 MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV head's query heads are padded up to this
 
@@ -24,6 +26,8 @@ def _decode_split_kernel(
     query_ptr,  # [num_seqs, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, num_kv_heads, BLOCK_SIZE] float32 (FP8 only)
+    v_scale_ptr,
     partial_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM]: each split's normalised output
     partial_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32: each split's log2-sum-exp2 (-inf when empty)
     seq_lens_ptr,
@@ -40,10 +44,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # max(MIN_ROWS, next power of two >= GROUP)
     HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM, at least 16; padded dims are masked
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     STORE_LSE: tl.constexpr,  # False when NUM_SPLITS == 1: partial_out is then the final output
+    FP8: tl.constexpr,
 ):
     # Program (seq, kv_head, split) folds the split-th contiguous run of BLOCK_N-key tiles of the context.
     seq = tl.program_id(0)
@@ -58,19 +64,21 @@ def _decode_split_kernel(
     rows = tl.arange(0, ROWS)
     row_head = kv_head * GROUP + rows
     row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_PAD)
+    row_dim_valid = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
     q_offsets = seq.to(tl.int64) * stride_query_token + row_head[:, None] * stride_query_head + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+    q = tl.load(query_ptr + q_offsets, mask=row_dim_valid, other=0.0)
     row_pos = tl.zeros([ROWS], dtype=tl.int32) + (seq_len - 1)  # the query token is the last position
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table_seq
     for tile in range(tile_begin, tile_end):
         m_i, l_i, acc = attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile * BLOCK_N, row_pos, seq_len,
-            scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+            tile * BLOCK_N, row_pos, seq_len, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
+            BLOCK_SIZE, BLOCK_N, True, FP8,
         )  # fmt: skip
 
     # An empty split (short or padding sequence) leaves l_i == 0: it writes zeros and lse -inf.
@@ -79,7 +87,7 @@ def _decode_split_kernel(
     partial_offsets = seq.to(tl.int64) * stride_partial_seq + row_head * stride_partial_head
     partial_offsets += split * stride_partial_split
     out_ptrs = partial_out_ptr + partial_offsets[:, None] + dims[None, :]
-    tl.store(out_ptrs, out.to(partial_out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_ptrs, out.to(partial_out_ptr.dtype.element_ty), mask=row_dim_valid)
     if STORE_LSE:  # partial_lse is laid out as partial_out without its last (HEAD_DIM) axis
         lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + partial_offsets // HEAD_DIM, lse, mask=row_valid)
@@ -94,6 +102,7 @@ def _decode_reduce_kernel(
     stride_out_head,
     num_heads,
     HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
@@ -101,17 +110,18 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
     base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
     lse = tl.load(partial_lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     weight = tl.where(lse > float("-inf"), tl.math.exp2(lse - lse_max), 0.0)
     total = tl.sum(weight, 0)
     partial = tl.load(partial_out_ptr + (base + splits[:, None]) * HEAD_DIM + dims[None, :],
-                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)  # fmt: skip
+                      mask=(splits < NUM_SPLITS)[:, None] & dim_valid[None, :], other=0.0)  # fmt: skip
     out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0.0, total, 1.0)
     out_offsets = seq.to(tl.int64) * stride_out_token + head * stride_out_head + dims
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @functools.cache
@@ -134,15 +144,20 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its whole paged context, split along the context."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    dim_pad = padded_head_dim(head_dim)
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    fp8 = k_scale is not None
+    assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
@@ -155,15 +170,17 @@ def decode_attention(
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, partial_out, partial_lse, seq_lens, block_tables, scale * 1.4426950408889634,
+        query, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, partial_out, partial_lse,
+        seq_lens, block_tables, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N),
+        NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         )  # fmt: skip
     return out

@@ -1,7 +1,9 @@
 """Triton varlen causal attention over the paged KV cache: fresh prefill, prefix hits, chunks and mixed batches.
 
 Query row j of sequence i sits at position seq_lens[i] - query_len_i + j and sees the cached keys at positions <= it.
-The step's new K/V must already be in the cache (store_kv_cache runs first).
+The step's new K/V must already be in the cache (store_kv_cache runs first). head_dim is tiled at the next power of
+two and the padding masked; an fp8 cache (float8 e4m3 values, power-of-two scales per position and KV head) is
+converted to the query's dtype tile by tile, and its scales multiply the scores and the probabilities.
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ import triton.language as tl
 # so every query head of one KV head shares each K/V tile loaded from the cache.
 DEFAULT_BLOCK_M = 64  # H200, 4 x 1024 tokens, head_dim 128: 81 us at 64 rows, 89 us at 128 (benchmarks/NOTES.md)
 DEFAULT_BLOCK_N = 64
+WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: half the keys per tile keep K/V tiles within shared memory (untuned)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Tile width along head_dim: the next power of two, at least 16 (tl.dot's smallest K); the rest is masked."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 @triton.jit
 def attend_kv_tile(
-    q,  # [ROWS, HEAD_DIM] query rows, any dtype of the cache
+    q,  # [ROWS, DIM_PAD] query rows (zero in the padded dims), the dtype of the model
     m_i,  # [ROWS] fp32 running max of the log2-scaled scores
     l_i,  # [ROWS] fp32 running sum of exp2(score - m_i)
-    acc,  # [ROWS, HEAD_DIM] fp32 running sum of exp2(score - m_i) * value
+    acc,  # [ROWS, DIM_PAD] fp32 running sum of exp2(score - m_i) * value
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, num_kv_heads, BLOCK_SIZE] float32 (FP8 only)
+    v_scale_ptr,
     block_table_ptr,  # this sequence's row of the block table
     kv_head,
     tile_start,  # position of the tile's first key
@@ -32,15 +42,17 @@ def attend_kv_tile(
     kv_end,  # keys at positions >= kv_end are never loaded
     scale_log2,  # softmax scale * log2(e)
     stride_cache_block,
-    stride_cache_slot,
+    stride_cache_slot,  # = num_kv_heads * HEAD_DIM
     HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM (at least 16, for tl.dot)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False only when every key of the tile is visible to every row
+    FP8: tl.constexpr,  # the cache holds float8 e4m3 with a power-of-two scale per (position, KV head)
 ):
     """One online-softmax step: fold the keys [tile_start, tile_start + BLOCK_N) into (m_i, l_i, acc)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_PAD)
     # Cache element (position p, kv_head, d) lives at block_table[p // BLOCK_SIZE] * stride_cache_block
     #   + (p % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM + d.
     if MASKED:
@@ -48,16 +60,39 @@ def attend_kv_tile(
         block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=load_mask, other=0)
     else:
         block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
-    offsets = block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+    block_ids = block_ids.to(tl.int64)
+    offsets = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
     offsets = offsets[:, None] + kv_head * HEAD_DIM + dims[None, :]
-    if MASKED:
+    # Masked loads read zeros: keys past kv_end, and the padded dims when HEAD_DIM is not a power of two.
+    if DIM_PAD != HEAD_DIM:
+        if MASKED:
+            kv_mask = load_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        else:
+            kv_mask = (key_pos >= 0)[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    elif MASKED:
         k = tl.load(k_cache_ptr + offsets, mask=load_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=load_mask[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + offsets)
         v = tl.load(v_cache_ptr + offsets)
 
-    scores = tl.dot(q, tl.trans(k)) * scale_log2
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if FP8:  # scores and probabilities carry the keys' and values' scales: exact, they are powers of two
+        # Scale (position p, kv_head) lives at block_table[p // BLOCK_SIZE] * (num_kv_heads * BLOCK_SIZE)
+        #   + kv_head * BLOCK_SIZE + p % BLOCK_SIZE: one head's scales of a block are contiguous.
+        scale_offsets = block_ids * (stride_cache_slot // HEAD_DIM * BLOCK_SIZE) + kv_head * BLOCK_SIZE
+        scale_offsets += key_pos % BLOCK_SIZE
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=load_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=load_mask, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_offsets)
+            v_scale = tl.load(v_scale_ptr + scale_offsets)
+        scores = scores * (k_scale * scale_log2)[None, :]
+    else:
+        scores = scores * scale_log2
     if MASKED:
         scores = tl.where(key_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
     # Invariant: the first tile a row folds in holds key 0, which every row sees, so m_new is finite from then on.
@@ -65,7 +100,9 @@ def attend_kv_tile(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if FP8:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
@@ -92,6 +129,8 @@ def _prefill_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, num_kv_heads, BLOCK_SIZE] float32 (FP8 only)
+    v_scale_ptr,
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -107,10 +146,12 @@ def _prefill_attention_kernel(
     stride_block_table_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
+    FP8: tl.constexpr,
 ):
     # Heaviest tiles first: the last query tiles of a sequence attend to the most keys (causal), so launching the
     # grid in reverse order lets the light tiles fill the tail of the last wave.
@@ -129,14 +170,15 @@ def _prefill_attention_kernel(
     row_head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < TOKENS_PER_TILE * GROUP) & (row_token < query_len)
     row_pos = context_len + row_token
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_PAD)
+    row_dim_valid = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
     token_index = (query_start + row_token).to(tl.int64)
     q_offsets = token_index[:, None] * stride_query_token + row_head[:, None] * stride_query_head + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+    q = tl.load(query_ptr + q_offsets, mask=row_dim_valid, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_block_table_seq
     # Keys [0, full_end) are visible to every row of the tile; keys [full_end, kv_end) need the causal mask;
     # keys >= kv_end are in the future of every row and are never loaded (causal tile skipping).
@@ -145,18 +187,20 @@ def _prefill_attention_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     for tile_start in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, row_pos, kv_end,
-            scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
+            BLOCK_SIZE, BLOCK_N, False, FP8,
         )  # fmt: skip
     for tile_start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, row_pos, kv_end,
-            scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
+            BLOCK_SIZE, BLOCK_N, True, FP8,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_offsets = token_index[:, None] * stride_out_token + row_head[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_dim_valid)
 
 
 def prefill_attention(
@@ -169,16 +213,21 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries of any lengths over each sequence's paged context."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    dim_pad = padded_head_dim(head_dim)
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_m >= group, "a tile must hold at least one token's query heads"
+    fp8 = k_scale is not None
+    assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -187,10 +236,12 @@ def prefill_attention(
     tokens_per_tile = block_m // group
     grid = (num_kv_heads, num_tokens // tokens_per_tile + num_seqs)
     _prefill_attention_kernel[grid](
-        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_seqs, scale * 1.4426950408889634,
+        query, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, out, query_start_loc,
+        seq_lens, block_tables, num_seqs, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        TOKENS_PER_TILE=tokens_per_tile, num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N), TOKENS_PER_TILE=tokens_per_tile,
+        FP8=fp8, num_warps=num_warps or (8 if block_m >= 128 or dim_pad > 128 else 4), num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -18,6 +18,11 @@ class LogprobsTensors:
     def to_host(self) -> LogprobsTensors:
         return LogprobsTensors(*(copy_to_host(tensor) for tensor in self.tensors()))
 
+    @classmethod
+    def concat(cls, parts: list[LogprobsTensors]) -> LogprobsTensors:
+        """Rows of every part, in order; all parts have the same top-N."""
+        return cls(*(torch.cat(tensors) for tensors in zip(*(part.tensors() for part in parts))))
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.top_token_ids, self.top_logprobs, self.token_logprobs, self.token_ranks
 

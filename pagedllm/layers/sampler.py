@@ -5,6 +5,8 @@ take the argmax; the others divide by their temperature, keep what min-p, top-k 
 distribution the previous one left, renormalised) and draw. A row draws by the exponential race,
 argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logits / T) without computing it.
 Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
+
+On CUDA the element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ import torch
 
 from pagedllm.layers.compile import fuse_on_cuda
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
-from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors
+from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
+
+# One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
+# penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.
+WARMUP_PARAMS = (
+    SamplingParams(temperature=0.8, seed=0),
+    SamplingParams(temperature=0.8, min_p=0.1, seed=0),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, presence_penalty=0.5),
+    SamplingParams(temperature=0, frequency_penalty=0.5, repetition_penalty=1.1),
+)
 
 
 @dataclass(slots=True)
@@ -49,6 +60,21 @@ class Sampler:
     def release(self, slot: int) -> None:
         self.penalties.release(slot)
         self.generators.release(slot)
+
+    @torch.inference_mode()  # as the worker's steps run: compiled code is guarded on the grad mode
+    def warmup(self) -> None:
+        """Run every compiled path at 1 row and at 2 rows (torch.compile specialises a batch of one row; 2 stands
+        for every larger size), so that no step meets a compilation later. Takes slots 0 and 1 and releases them:
+        call it before any request is added. The batches are seeded, so the engine's own random stream is untouched."""
+        for params in WARMUP_PARAMS:
+            for num_rows in (1, 2):
+                slots = list(range(num_rows))
+                for slot in slots:
+                    self.add_request(slot, params, prompt_token_ids=[0])
+                batch = build_sampling_batch([params] * num_rows, slots, num_output_tokens=[0] * num_rows)
+                self(torch.zeros(num_rows, self.penalties.vocab_size, device=self.device), batch)
+                for slot in slots:
+                    self.release(slot)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
@@ -84,11 +110,6 @@ def process_logits(
         assert penalty_state is not None, "a row has penalties but the sampler got no penalty state"
         logits = penalty_state.apply(logits, params.penalties)
     return logits
-
-
-def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [rows, vocab] -> token ids [rows]. (The model runner's call; penalties need sample_tokens.)"""
-    return sample_tokens(logits.float(), params).sampled_token_ids
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

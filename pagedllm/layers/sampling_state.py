@@ -20,12 +20,18 @@ class PenaltyState:
         self.prompt_mask: torch.Tensor | None = None  # [num_slots, vocab] bool
         self.active_slots: set[int] = set()
 
-    def add_request(self, slot: int, prompt_token_ids: list[int]) -> None:
-        assert 0 <= slot < self.num_slots and slot not in self.active_slots, f"slot {slot} is taken or out of range"
+    def allocate(self) -> None:
+        """Allocate the counts (num_slots x vocab x 5 bytes). The worker calls it on CUDA before sizing the KV cache,
+        so that a penalised request can never run out of memory later; elsewhere the first penalised request does."""
         if self.output_counts is None:
             shape = (self.num_slots, self.vocab_size)
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            with torch.inference_mode(False):  # normal tensors: updated in place inside inference mode and out
+                self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+                self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def add_request(self, slot: int, prompt_token_ids: list[int]) -> None:
+        assert 0 <= slot < self.num_slots and slot not in self.active_slots, f"slot {slot} is taken or out of range"
+        self.allocate()
         self.active_slots.add(slot)
         self.output_counts[slot].zero_()  # queued after any update still in flight for the slot's last owner
         self.prompt_mask[slot].zero_()
@@ -40,10 +46,16 @@ class PenaltyState:
     def apply(self, logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
         """Penalise the rows of logits [rows, vocab] float32 (in place where they are a subset) and return them."""
         assert self.output_counts is not None, "a row has penalties but no request was added with them"
+        presence, frequency, repetition = penalties.presence, penalties.frequency, penalties.repetition
+        if logits.is_cuda:  # one compiled signature for every mix of penalties (Sampler.warmup compiles it)
+            neutral = lambda value: torch.full(penalties.slots.shape, value, device=logits.device)
+            presence = neutral(0.0) if presence is None else presence
+            frequency = neutral(0.0) if frequency is None else frequency
+            repetition = neutral(1.0) if repetition is None else repetition
         counts = self.output_counts.index_select(0, penalties.slots)
-        prompt_mask = self.prompt_mask.index_select(0, penalties.slots) if penalties.repetition is not None else None
+        prompt_mask = self.prompt_mask.index_select(0, penalties.slots) if repetition is not None else None
         rows = logits if penalties.rows is None else logits.index_select(0, penalties.rows)
-        penalised = penalise(rows, counts, prompt_mask, penalties.presence, penalties.frequency, penalties.repetition)
+        penalised = penalise(rows, counts, prompt_mask, presence, frequency, repetition)
         if penalties.rows is None:
             return penalised
         return logits.index_copy_(0, penalties.rows, penalised)

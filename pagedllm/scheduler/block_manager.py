@@ -3,6 +3,8 @@
 A block is either held (ref_count > 0, in some sequences' block tables) or free (ref_count == 0, in
 free_block_ids). A free block keeps its hash and tokens, so a later request with the same prefix can take it
 back; free blocks are handed out oldest-freed first (LRU), and blocks with no hash go first of all.
+Samples of one request (n > 1) share their prompt's blocks; a shared block that is not full is copied before a
+sequence writes into it (copy-on-write: the copies are queued in pending_copies and run before the step).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class BlockManager:
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
         self.cached_block_ids: dict[int, int] = {}  # hash -> id of a block holding exactly those tokens
+        # (source, destination) block ids whose K/V the device must copy before the next step runs.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -79,13 +83,44 @@ class BlockManager:
         seq.num_computed_tokens = len(block_ids) * self.block_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq's block table to hold num_new_tokens more; False (and no change) if there are too few free."""
+        """Grow seq's block table to hold num_new_tokens more; False (and no change) if there are too few free.
+        A partly filled last block that other sequences share is first replaced by a private copy."""
         needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > len(self.free_block_ids):
+        shared_index = self.shared_partial_block(seq)
+        if needed + (shared_index is not None) > len(self.free_block_ids):
             return False
+        if shared_index is not None:
+            self._copy_on_write(seq, shared_index)
         for _ in range(needed):
             seq.block_table.append(self._allocate_free_block())
         return True
+
+    def shared_partial_block(self, seq: Sequence) -> int | None:
+        """The index of the block seq writes next, if that block is partly filled and shared with another sample."""
+        if seq.num_computed_tokens % self.block_size == 0:
+            return None  # the next token starts a block of its own
+        index = seq.num_computed_tokens // self.block_size
+        return index if self.blocks[seq.block_table[index]].ref_count > 1 else None
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        shared = self.blocks[seq.block_table[index]]
+        shared.ref_count -= 1  # still > 0: the other holders keep it
+        copy = self._allocate_free_block()
+        seq.block_table[index] = copy
+        self.pending_copies.append((shared.block_id, copy))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (whose tokens it has): reference counts go up, nothing is copied."""
+        assert not child.block_table, "a sequence forks only when it holds no blocks"
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def _allocate_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

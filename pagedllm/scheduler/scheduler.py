@@ -3,12 +3,17 @@
 Each step a running sequence gets min(uncomputed tokens, budget left): decodes first, then continuing prefill
 chunks, then waiting requests in arrival order. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
+
+Slots: a sequence takes a slot (0..max_num_seqs-1, the index of its sampling state on the device) when it is first
+admitted, with one for each of its forks (n > 1), and keeps it through preemption until it ends. A request is
+admitted only when slots are free for all its samples, so admitted sequences, running or preempted, never number
+more than max_num_seqs.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -18,6 +23,9 @@ from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens computed this step
+    new_slot_holders: list[Sequence] = field(default_factory=list)  # took a slot in this schedule (forks too)
+    released_slots: list[int] = field(default_factory=list)  # slots of sequences that ended since the last batch
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): before the step
 
     @property
     def num_tokens(self) -> int:
@@ -36,8 +44,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: slot 0 first
+        self.released_slots: list[int] = []  # handed to the device side with the next batch
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request's first sample; its other samples ride along in seq.forks."""
+        assert 1 + len(seq.forks) <= self.max_num_seqs, "a request needs a slot for each of its samples"
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -67,14 +79,22 @@ class Scheduler:
             else:
                 scheduled[seq] = num_new_tokens
                 budget -= num_new_tokens
+        new_slot_holders: list[Sequence] = []
         if not preempted:  # admitting now would only take blocks that running requests need
-            budget = self._admit_waiting(scheduled, budget)
-        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+            self._admit_waiting(scheduled, budget, new_slot_holders)
+        batch = ScheduledBatch(list(scheduled), list(scheduled.values()), new_slot_holders)
+        batch.block_copies = self.block_manager.take_pending_copies()
+        if not batch.is_empty():  # an empty batch reaches no device: keep the releases for the next one
+            batch.released_slots, self.released_slots = self.released_slots, []
+        return batch
 
-    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> int:
+    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, new_slot_holders: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached_blocks = self.block_manager.find_cached_prefix(seq)
+            if seq.slot < 0 and len(self.free_slots) < 1 + len(seq.forks):
+                break  # first admission: every sample of the request needs a slot
+            # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
+            cached_blocks = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             self.block_manager.take_cached_prefix(seq, cached_blocks)
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new_tokens):
@@ -82,12 +102,15 @@ class Scheduler:
                 break
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+            if seq.slot < 0:
+                for holder in (seq, *seq.forks):
+                    holder.slot = self.free_slots.pop()
+                    new_slot_holders.append(holder)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq] = num_new_tokens
             budget -= num_new_tokens
-        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.pending_sample_index < 0, "a sequence is preempted only once its tokens are all known"
@@ -98,13 +121,26 @@ class Scheduler:
         self.num_preemptions += 1
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Count the step's tokens as computed and index newly full blocks. Sequences that ended since the step was
-        scheduled (abort, stop) are skipped."""
+        """Count the step's tokens as computed and index newly full blocks; a sequence whose prompt this step
+        completed forks its other samples. Sequences that ended since the step was scheduled are skipped."""
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            if seq.forks and seq.num_computed_tokens == seq.num_tokens:
+                self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """The other samples take seq's blocks and run from here on; their first tokens are sampled from the same
+        logits as seq's, in the step that just completed the prompt (the plan gave them rows)."""
+        for fork in seq.forks:
+            assert fork.token_ids == seq.token_ids, "a sample forks before any token is sampled"
+            self.block_manager.fork(seq, fork)
+            fork.num_cached_tokens = seq.num_cached_tokens
+            fork.status = SequenceStatus.RUNNING
+            self.running.append(fork)
+        seq.forks = []
 
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append one sampled token to each sequence (or fill its placeholder) and apply the stop rules."""
@@ -135,12 +171,14 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """True when the next step needs no preemption: every running sequence can get the blocks for its
-        largest possible share of the budget. (A preempted sequence must not hold a placeholder.)"""
+        largest possible share of the budget, and a copy of a shared block it writes into.
+        (A preempted sequence must not hold a placeholder.)"""
         needed = 0
         for seq in self.running:
             num_new_tokens = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
             total = seq.num_computed_tokens + num_new_tokens
             needed += self.block_manager.blocks_for_tokens(total) - len(seq.block_table)
+            needed += self.block_manager.shared_partial_block(seq) is not None
         return needed <= self.block_manager.num_free_blocks
 
     def _length_exhausted(self, seq: Sequence) -> bool:
@@ -148,23 +186,50 @@ class Scheduler:
         return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """vLLM's order: EOS (stop_reason None), then stop_token_ids (stop_reason the id), then length; EOS and stop
+        tokens count only from min_tokens output tokens on."""
         params = seq.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in seq.eos_token_ids):
-            return "stop"
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in seq.eos_token_ids:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
         if self._length_exhausted(seq):
             return "length"
         return None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a running sequence for a reason the engine found (a stop string): it frees its blocks and takes no
+        more tokens; a placeholder it holds for the step in flight is dropped with that step's row."""
+        assert not seq.forks, "a sequence receives tokens only after its samples forked"
+        if seq.pending_sample_index >= 0:
+            seq.token_ids.pop()
+            seq.pending_sample_index = -1
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.stop_reason = stop_reason
+        self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            self.released_slots.append(seq.slot)
+            seq.slot = -1
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str) -> list[Sequence]:
+        """End every sample of the request, wherever it is (forks not yet taken out end with their first sample)."""
+        aborted = []
         for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._finish(seq, "abort")
-                    return seq
-        return None
+            for seq in [seq for seq in queue if seq.request_id == request_id]:
+                queue.remove(seq)
+                for fork in (seq, *seq.forks):
+                    self._finish(fork, "abort")
+                    aborted.append(fork)
+                seq.forks = []
+        return aborted

@@ -1,4 +1,4 @@
-"""One request's tokens and progress, as the scheduler and block manager see it."""
+"""One sample of a request: its tokens and progress, as the scheduler and block manager see it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    sample_index: int = 0  # which of the request's n samples this is
+    # The request's other samples (n > 1), held by sample 0 until its prompt is computed: they then fork from it,
+    # sharing its KV blocks, and each samples its first token from the same logits in that same step.
+    forks: list[Sequence] = field(default_factory=list)
     num_prompt_tokens: int = 0
     # Invariant: num_computed_tokens <= num_tokens; tokens below it have their K/V in the cache.
     num_computed_tokens: int = 0
@@ -31,8 +35,12 @@ class Sequence:
     num_hashed_blocks: int = 0  # block_table[:num_hashed_blocks] are full, computed and in the prefix cache's index
     # >= 0 while the last token is a PLACEHOLDER: its row among the samples of the step in flight.
     pending_sample_index: int = -1
+    # Index of the device-side sampling state (penalty counts, seeded generator), from first admission to the end:
+    # 0..max_num_seqs-1, or -1 while it holds none.
+    slot: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -56,3 +64,7 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,14 @@ def test_generate_two_prompts(llama_dir):
     assert "--- [0] The quick brown" in result.stdout and "--- [1] Paris is" in result.stdout
 
 
+def test_generate_with_an_fp8_kv_cache(llama_dir):
+    result = pagedllm(
+        "generate", "The quick brown", "--model", llama_dir, "--max-tokens", "3", "--kv-cache-dtype", "fp8"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "GiB, fp8)" in result.stderr  # the start-up log line names the cache dtype
+
+
 def test_generate_from_file(llama_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The quick brown\n\ndef add(a, b):\n")
@@ -49,6 +58,7 @@ def test_chat_message_on_the_default_model():
         (["generate", "x", "--threads", "0"], "--threads must be at least 1"),
         (["generate"], "give at least one prompt"),
         (["generate", "--file", "/nonexistent/prompts.txt"], "cannot read --file"),
+        (["generate", "x", "--kv-cache-dtype", "fp16"], "kv_cache_dtype must be one of ('auto', 'fp8')"),
         (["launch"], "invalid choice"),
     ],
 )
@@ -72,3 +82,66 @@ def test_interactive_chat_keeps_the_conversation():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "Berlin" in result.stdout
     assert result.stdout.count("> ") == 3  # two questions answered, then the empty line ends the chat
+
+
+def test_generate_with_sampling_flags(llama_dir):
+    """--top-k 1 is greedy at any temperature; --stop ends the text before the stop string; --n prints every sample;
+    --logprobs prints each token's logprob and rank and the cumulative logprob."""
+    from pagedllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    text = LLM(llama_dir, num_kv_blocks=16).generate("The quick brown", greedy, use_tqdm=False)[0].outputs[0].text
+    result = pagedllm("generate", "The quick brown", "--model", llama_dir, "--max-tokens", "8", "--top-k", "1",
+                      "--temperature", "1.5", "--min-p", "0.01", "--repetition-penalty", "1.0", "--stop", "never",
+                      "--stop", text[2:4], "--n", "2", "--logprobs", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("--- sample ")[1:]
+    expected = text[: text.find(text[2:4])] + "\n"
+    assert [sample.split("\n", 1)[1].startswith(expected) for sample in samples] == [True, True]
+    assert all(sample.count("rank 1 ") >= 1 and "cumulative logprob" in sample for sample in samples)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-k", "-5"], "top_k must be an int >= -1"),
+        (["--min-p", "2"], "min_p must be in [0, 1]"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+        (["--n", "0"], "n must be an int >= 1"),
+        (["--logprobs", "-1"], "logprobs must be an int >= 0"),
+    ],
+)
+def test_bad_sampling_flags(args, message):
+    """main() turns these ValueErrors into `pagedllm: error: ...` and exit status 2 (test_bad_flags)."""
+    from pagedllm.entrypoints.cli import build_parser, sampling_params
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampling_params(build_parser().parse_args(["generate", "x", *args]))
+
+
+def test_chat_takes_the_sampling_flags():
+    from pagedllm.entrypoints.cli import build_parser, sampling_params
+
+    args = [
+        "chat",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "5",
+        "--min-p",
+        "0.1",
+        "--repetition-penalty",
+        "1.1",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+    ]
+    params = sampling_params(build_parser().parse_args(args))
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.stop, params.n) == (
+        5,
+        0.1,
+        1.1,
+        ["a", "b"],
+        1,
+    )

@@ -21,7 +21,6 @@ from server_process import start_server, stop_server  # noqa: E402
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = ["pagedllm_capitals", "pagedllm_facts_mc"]
-NEEDS_STAGE_2 = pytest.mark.xfail(strict=True, reason="needs sampling stage 2")
 pytestmark = pytest.mark.slow
 
 
@@ -39,7 +38,6 @@ def default_server(tmp_path_factory):
         running.process.wait()
 
 
-@NEEDS_STAGE_2
 def test_lm_eval_local_completions(default_server, tmp_path):
     # What lm-eval sends: stop strings (generate_until), echo + logprobs (multiple_choice). Checked first, so that
     # a server without them fails in a second instead of through lm-eval's retries.
@@ -73,7 +71,6 @@ def test_lm_eval_local_completions(default_server, tmp_path):
     assert scores["capitals exact_match"] > 0.5  # SmolLM2-135M-Instruct knows most of these capitals
 
 
-@NEEDS_STAGE_2
 def test_multiple_choice_loglikelihoods_equal_transformers(default_server):
     """Each choice's log-likelihood as lm-eval computes it from the server (echo + logprobs over context +
     continuation tokens) equals the same sum from transformers on the GGUF in float32."""

@@ -1,4 +1,5 @@
-"""A plan survives packing into the broadcast's header and payload: every array, length and flag, no sampling."""
+"""A plan survives packing into the broadcast's header and payload: every array, length and flag; its sampling part
+(rank 0's alone) stays behind."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import numpy as np
 import pytest
 
 from pagedllm.executor.plan_broadcast import HEADER_SIZE, pack_plan, unpack_plan
-from pagedllm.executor.step_plan import SamplingArrays, StepPlan
+from pagedllm.executor.step_plan import StepPlan, StepSampling
+from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.sampling_params import SamplingParams
 
 ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "sample_rows",
-          "placeholder_rows", "placeholder_sources")  # fmt: skip
+          "placeholder_rows", "placeholder_sources", "prompt_logprob_rows", "block_copies")  # fmt: skip
 
 
-def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int]) -> StepPlan:
+def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int], num_copies: int) -> StepPlan:
     rng = np.random.default_rng(len(num_new_tokens))
     num_seqs, num_tokens = len(num_new_tokens), sum(num_new_tokens)
     query_start_loc = np.concatenate([[0], np.cumsum(num_new_tokens)]).astype(np.int32)
@@ -30,16 +33,18 @@ def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int]) ->
         decode_only=all(n == 1 for n in num_new_tokens),
         placeholder_rows=np.array(placeholders, dtype=np.int64),
         placeholder_sources=np.arange(len(placeholders), dtype=np.int64),
-        sampling=SamplingArrays(np.zeros(num_seqs, np.float32), None, None, [None] * num_seqs, ["r"] * num_seqs),
+        sampling=StepSampling(build_sampling_batch([SamplingParams()] * num_seqs), np.arange(num_seqs)),
+        prompt_logprob_rows=np.arange(0, num_tokens, 3, dtype=np.int64),
+        block_copies=rng.integers(0, 1 << 16, (num_copies, 2)),
     )
 
 
 @pytest.mark.parametrize(
-    ("num_new_tokens", "width", "placeholders"),
-    [([5, 1, 30], 3, []), ([1, 1, 1, 1], 7, [0, 2, 3]), ([1], 1, [0]), ([100], 12, [])],
+    ("num_new_tokens", "width", "placeholders", "num_copies"),
+    [([5, 1, 30], 3, [], 2), ([1, 1, 1, 1], 7, [0, 2, 3], 0), ([1], 1, [0], 1), ([100], 12, [], 0)],
 )
-def test_unpacked_plan_equals_the_packed_one(num_new_tokens, width, placeholders):
-    plan = make_plan(num_new_tokens, width, placeholders)
+def test_unpacked_plan_equals_the_packed_one(num_new_tokens, width, placeholders, num_copies):
+    plan = make_plan(num_new_tokens, width, placeholders, num_copies)
     header, payload = pack_plan(plan)
     assert header.shape == (HEADER_SIZE,)
     received = unpack_plan(header.tolist(), payload.numpy())

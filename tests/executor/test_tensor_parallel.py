@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo): N ranks give the tokens and logits of one rank, with prefix caching, chunked
-prefill, preemption and async scheduling at work, for MHA, replicated KV heads (TP above the KV head count), q/k
-norms with tied embeddings, biases, a sharded safetensors checkpoint and a GGUF file; each rank holds ~1/N of the
-weights. One tensor-parallel engine lives at a time (one torch.distributed group per process)."""
+prefill, preemption, async scheduling and seeded n > 1 sampling with logprobs at work, for MHA, replicated KV heads
+(TP above the KV head count), q/k norms with tied embeddings, biases, a sharded safetensors checkpoint and a GGUF
+file; each rank holds ~1/N of the weights. One tensor-parallel engine lives at a time (one torch.distributed group
+per process)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ pytestmark = pytest.mark.slow
 SETTINGS = dict(enable_prefix_caching=True, max_num_batched_tokens=48, num_kv_blocks=20, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+# Logprobs are differences of logits (up to ~30 on these random models), which N ranks sum in another order: the
+# logits' 1e-5 relative agreement allows differences of ~1e-4 in them.
+LOGPROB_ATOL = 1e-3
 # name -> (checkpoint, tensor_parallel_size, async scheduling)
 CASES = {
     "llama_mha_tp2": ("llama_mha", 2, True),  # 4 KV heads split 2 + 2; untied LM head
@@ -149,6 +153,27 @@ def test_greedy_tokens_equal_one_rank(engines):
     assert block_manager.num_free_blocks == block_manager.num_blocks
 
 
+def test_seeded_samples_and_logprobs_equal_one_rank(engines):
+    """Rank 0 samples from gathered logits: n = 2 (the samples share KV blocks until a copy, on every rank), seeded
+    temperature sampling with a penalty, logprobs and prompt logprobs (every rank joins their logits' gathers)."""
+    reference, parallel = engines
+    params = SamplingParams(n=2, temperature=0.8, seed=7, presence_penalty=0.5, max_tokens=6, logprobs=3,
+                            prompt_logprobs=2, ignore_eos=True)  # fmt: skip
+    prompts = make_prompts(vocab_size(reference), count=4, seed=5)
+    expected, actual = (llm.generate(prompts, params, use_tqdm=False) for llm in engines)
+    for want, got in zip(expected, actual, strict=True):
+        for want_sample, got_sample in zip(want.outputs, got.outputs, strict=True):
+            assert got_sample.token_ids == want_sample.token_ids
+            assert_close_logprobs(want_sample.logprobs, got_sample.logprobs)
+        assert_close_logprobs(want.prompt_logprobs[1:], got.prompt_logprobs[1:])  # the first prompt token has none
+
+
+def assert_close_logprobs(expected: list[dict], actual: list[dict]) -> None:
+    for want, got in zip(expected, actual, strict=True):
+        assert want.keys() == got.keys()
+        assert all(abs(want[token].logprob - got[token].logprob) < LOGPROB_ATOL for token in want)
+
+
 def test_last_prompt_position_logits_match(engines):
     reference, parallel = engines
     prompts = make_prompts(vocab_size(reference), seed=4)
@@ -172,6 +197,6 @@ def test_each_rank_holds_its_share(engines):
     assert len(per_rank) == size and sum(per_rank) >= total
     for count in per_rank:  # replicated norms (and KV heads at TP 4 of 2 heads) are a few percent
         assert abs(count - total / size) < 0.1 * total / size, (count, total / size)
-    kv_cache = parallel.llm_engine.worker.worker.kv_cache  # [K/V, layers, blocks, block size, heads, head_dim]
+    keys = parallel.llm_engine.worker.worker.kv_cache.keys  # [layers, blocks, block size, heads, head_dim]
     num_kv_heads = reference.llm_engine.spec.num_kv_heads
-    assert kv_cache.shape[4] == kv_heads_per_rank(num_kv_heads, size) == max(1, num_kv_heads // size)
+    assert keys.shape[3] == kv_heads_per_rank(num_kv_heads, size) == max(1, num_kv_heads // size)

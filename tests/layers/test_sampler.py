@@ -5,33 +5,39 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import Sampler, SamplingTensors, sample, truncation_mask
+from pagedllm.layers.sampler import Sampler, SamplingTensors, truncation_mask
 from pagedllm.layers.sampling_batch import build_sampling_batch
 
 
-def tensors(temperatures, top_ps=None, top_ks=None, generators=None, seed=0) -> SamplingTensors:
+def tensors(temperatures, top_ps=None, top_ks=None) -> SamplingTensors:
     rows = len(temperatures)
     return SamplingTensors(
         temperatures=torch.tensor(temperatures, dtype=torch.float32),
         top_ps=None if top_ps is None else torch.tensor(top_ps, dtype=torch.float32),
         top_ks=None if top_ks is None else torch.tensor(top_ks),
-        generators=generators or [None] * rows,
-        default_generator=torch.Generator().manual_seed(seed),
+        generators=[None] * rows,
+        default_generator=torch.Generator().manual_seed(0),
         all_greedy=all(t == 0 for t in temperatures),
         any_greedy=any(t == 0 for t in temperatures),
     )
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """One call of a fresh Sampler (unseeded rows draw from its generator)."""
+    sampler = Sampler(num_slots=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=0)
+    return sampler(logits.clone(), build_sampling_batch(params)).sampled_token_ids
+
+
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     logits = torch.randn(6, 50)
-    tokens = sample(logits, tensors([0, 1.0, 0, 0.7, 0, 1.0]))
+    tokens = sample(logits, [SamplingParams(temperature=t) for t in [0, 1.0, 0, 0.7, 0, 1.0]])
     assert tokens[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist()
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(8, 50)
-    assert sample(logits, tensors([1.0] * 8, top_ks=[1] * 8)).tolist() == logits.argmax(-1).tolist()
-    assert sample(logits, tensors([1.0] * 8, top_ps=[1e-6] * 8)).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(top_k=1)] * 8).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(top_p=1e-6)] * 8).tolist() == logits.argmax(-1).tolist()
 
 
 def test_truncation_mask_keeps_top_k_and_the_renormalised_nucleus():
@@ -47,7 +53,7 @@ def test_truncation_mask_keeps_top_k_and_the_renormalised_nucleus():
 def test_samples_follow_the_softmax_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)
-    tokens = sample(logits, tensors([1.0] * 4000))
+    tokens = sample(logits, [SamplingParams()] * 4000)
     frequencies = torch.bincount(tokens, minlength=3).float() / 4000
     assert torch.allclose(frequencies, probs, atol=0.03), frequencies
 

@@ -1,5 +1,6 @@
 """Property-based tests: random add / step / abort programs, run through the engine's own step protocol
-(StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants."""
+(StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants,
+also for requests of several samples (n > 1: shared blocks, forks, copy-on-write) and their slots."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from pagedllm.engine.step_pipeline import StepPipeline
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
+from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
@@ -22,7 +24,7 @@ MAX_BUDGET = 24
 # prompts drawn from a tiny alphabet with shared starts, so prefix-cache hits and hash chains are exercised
 prompt_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=30)
 operation = st.one_of(
-    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12), st.booleans()),
+    st.tuples(st.just("add"), prompt_strategy, st.integers(1, 12), st.booleans(), st.integers(1, 3)),
     st.tuples(st.just("step"), st.integers(0, 5)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
 )
@@ -32,6 +34,12 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
     block_manager = scheduler.block_manager
     block_manager.check_invariants(holders=scheduler.running)
     assert len(scheduler.running) <= scheduler.max_num_seqs
+    # A slot is held from first admission to the end, by one sequence at a time: running ones hold one, finished
+    # ones none, and held plus free slots are all the slots.
+    slots = [seq.slot for seq in all_seqs if seq.slot >= 0]
+    assert sorted(slots + scheduler.free_slots) == list(range(scheduler.max_num_seqs))
+    assert all(seq.slot >= 0 for seq in scheduler.running)
+    assert all(seq.slot == -1 for seq in all_seqs if seq.is_finished)
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
     for seq in scheduler.running:
@@ -54,9 +62,13 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
 class FakeWorker:
     """Stands in for the device: each sampled row gets its request's signature token (the request id as an int), so
     a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder input is
-    filled from a row of the step in flight, and only there."""
+    filled from a row of the step in flight, and only there; a row's slot was registered for its request and not
+    released since, and no slot is held twice."""
 
     table_width = None
+
+    def __init__(self):
+        self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
 
     def execute(self, plan: StepPlan, previous: StepOutput | None) -> StepOutput:
         placeholder_rows = set(plan.placeholder_rows.tolist())
@@ -65,8 +77,13 @@ class FakeWorker:
             assert previous is not None
             assert all(0 <= source < len(previous.token_ids()) for source in plan.placeholder_sources)
         assert plan.num_tokens <= MAX_BUDGET
-        signatures = [int(request_id) for request_id in plan.sampling.request_ids]
-        return StepOutput(plan.step_id, torch.tensor(signatures, dtype=torch.int64))
+        for slot in plan.sampling.released_slots:
+            del self.slot_owners[slot]
+        for request in plan.sampling.new_requests:
+            assert request.slot not in self.slot_owners, f"slot {request.slot} is held twice"
+            self.slot_owners[request.slot] = request.request_id
+        signatures = [int(self.slot_owners[slot]) for slot in plan.sampling.row_slots.tolist()]
+        return StepOutput(plan.step_id, SamplerOutput(torch.tensor(signatures, dtype=torch.int64)))
 
 
 def make_pipeline(scheduler: Scheduler, overlap: bool) -> tuple[StepPipeline, FakeWorker]:
@@ -88,17 +105,19 @@ def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
     all_seqs: list[Sequence] = []
     for op in operations:
         if op[0] == "add":
-            _, prompt, max_tokens, stops = op
-            # the engine rejects requests that could never fit; mirror that rule here
+            _, prompt, max_tokens, stops, num_samples = op
+            # the engine rejects requests that could never fit or have more samples than slots; mirror that here
             if (
                 block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN))
                 <= block_manager.num_blocks
+                and num_samples <= scheduler.max_num_seqs
             ):
                 signature = len(all_seqs)  # the fake worker samples this token for this request: a stop when asked
                 params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[signature] if stops else [])
-                seq = Sequence(str(signature), list(prompt), params)
-                all_seqs.append(seq)
-                scheduler.add(seq)
+                samples = [Sequence(str(signature), list(prompt), params, sample_index=i) for i in range(num_samples)]
+                samples[0].forks = samples[1:]
+                all_seqs += samples
+                scheduler.add(samples[0])
         elif op[0] == "step":
             step(op[1])
         elif all_seqs:

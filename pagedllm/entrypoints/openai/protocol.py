@@ -4,31 +4,11 @@ place where a request becomes SamplingParams."""
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
-
-SUPPORTED_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-# SamplingParams fields that pagedllm may not have yet, with the value that means "off": a request that leaves a
-# field at this value works today; any other value is refused with a 400 naming the request's parameter.
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "min_p": (0.0,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "min_tokens": (0,),
-    "stop": ([], ""),
-    "include_stop_str_in_output": (False,),
-    "logprobs": (),
-    "prompt_logprobs": (),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "logit_bias": ({},),
-}
 
 
 class InvalidRequestError(ValueError):
@@ -73,8 +53,8 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """Every request field -> its SamplingParams field. Fields pagedllm's SamplingParams lacks are passed only
-        when set to something other than 'off', and then refused with an error naming them."""
+        """Every request field -> its SamplingParams field (None: SamplingParams' default); a value SamplingParams
+        refuses is a 400 with its message."""
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
@@ -101,22 +81,10 @@ class SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
         )
-        kwargs = {}
-        for name, value in requested.items():
-            if value is None:
-                continue
-            if name in SUPPORTED_SAMPLING_FIELDS:
-                kwargs[name] = value
-            elif value not in NEUTRAL_VALUES[name]:
-                param = self.request_param(name)
-                raise InvalidRequestError(f"`{param}` is not supported by this server yet", param)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**{name: value for name, value in requested.items() if value is not None})
         except (ValueError, TypeError) as error:
             raise InvalidRequestError(str(error)) from None
-
-    def request_param(self, sampling_field: str) -> str:
-        return sampling_field
 
 
 class CompletionRequest(SamplingRequest):
@@ -126,9 +94,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     suffix: str | None = None
-
-    def request_param(self, sampling_field: str) -> str:
-        return "echo" if sampling_field == "prompt_logprobs" and self.prompt_logprobs is None else sampling_field
 
 
 class ContentPart(OpenAIBaseModel):

@@ -1,0 +1,46 @@
+"""Which attention backend runs a model: the one asked for, except that a model the Triton kernels cannot take
+falls back to the torch backend with one warning instead of failing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.logger import logger
+
+TRITON_HEAD_DIM_MULTIPLE = 8  # the kernels pad head_dim to a power of two inside, masking the padding
+TRITON_MAX_HEAD_DIM = 256
+FP8_MIN_CAPABILITY = (8, 9)  # Triton converts float8 e4m3 only on Ada / Hopper and later
+
+
+def triton_unsupported_reason(device: torch.device, head_dim: int, kv_cache_dtype: str) -> str | None:
+    """Why the Triton kernels cannot run this model, or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if head_dim % TRITON_HEAD_DIM_MULTIPLE or not 0 < head_dim <= TRITON_MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of {TRITON_HEAD_DIM_MULTIPLE} up to {TRITON_MAX_HEAD_DIM}"
+    if kv_cache_dtype == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            return f"an fp8 KV cache needs compute capability 8.9 or newer, this GPU has {capability}"
+    return None
+
+
+def select_backend(
+    name: str | None, device: torch.device, head_dim: int, kv_cache_dtype: str = "auto"
+) -> AttentionBackend:
+    """name None: triton on CUDA, torch elsewhere. Call once per engine: a fallback logs one warning."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        reason = triton_unsupported_reason(device, head_dim, kv_cache_dtype)
+        if reason is None:
+            from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        logger.warning("attention: the triton kernels cannot run this model (%s); using the torch backend", reason)
+    from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,39 @@
+"""select_backend: the backend asked for, or torch with one warning when the Triton kernels cannot take the model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.attention.selector import select_backend
+from pagedllm.logger import logger
+
+
+@pytest.fixture
+def warnings(caplog):
+    logger.addHandler(caplog.handler)  # the pagedllm logger does not propagate to the root logger
+    caplog.set_level(logging.WARNING, logger="pagedllm")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 96, 128, 136, 256])
+def test_triton_takes_every_head_dim_that_is_a_multiple_of_8_up_to_256(head_dim, warnings):
+    assert select_backend("triton", torch.device("cpu"), head_dim).name == "triton"
+    assert select_backend("triton", torch.device("cpu"), head_dim, "fp8").name == "triton"
+    assert not warnings.records
+
+
+@pytest.mark.parametrize("head_dim", [4, 100, 264, 512])
+def test_other_head_dims_fall_back_to_torch_with_one_warning(head_dim, warnings):
+    assert select_backend("triton", torch.device("cpu"), head_dim).name == "torch"
+    assert len(warnings.records) == 1
+    assert f"head_dim {head_dim}" in warnings.text and "using the torch backend" in warnings.text
+
+
+def test_default_is_torch_on_cpu_and_torch_stays_torch(warnings):
+    assert select_backend(None, torch.device("cpu"), 64, "fp8").name == "torch"
+    assert select_backend("torch", torch.device("cpu"), 100).name == "torch"
+    assert not warnings.records
