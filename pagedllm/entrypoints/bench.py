@@ -347,7 +347,11 @@ def run(args: argparse.Namespace) -> None:
         checkpoint = Path(args.checkpoint_dir) / args.shape
         if not (checkpoint / "model.safetensors").exists():
             write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
-        result = {"shape": args.shape, "latency": run_latency(str(checkpoint), enforce_eager=args.enforce_eager)}
+        latency = run_latency(
+            str(checkpoint), SHAPES[args.shape]["max_position_embeddings"], enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        )  # fmt: skip
+        result = {"shape": args.shape, "tensor_parallel_size": args.tensor_parallel_size, "latency": latency}
     else:
         result = run_benchmark(args)
     if args.output:
