@@ -198,7 +198,7 @@ class EngineCore:
             index = completion.index
             text_len = progress.text_len.get(index, 0)
             num_tokens = progress.num_tokens.get(index, 0)
-            logprobs = getattr(completion, "logprobs", None)
+            logprobs = completion.logprobs
             num_logprobs = progress.num_logprobs.get(index, 0)
             if len(completion.token_ids) == num_tokens and completion.finish_reason is None:
                 continue  # this completion made no progress this step (n > 1)
@@ -208,8 +208,8 @@ class EngineCore:
                     text=completion.text[text_len:],
                     token_ids=list(completion.token_ids[num_tokens:]),
                     finish_reason=completion.finish_reason,
-                    stop_reason=getattr(completion, "stop_reason", None),
-                    cumulative_logprob=getattr(completion, "cumulative_logprob", None),
+                    stop_reason=completion.stop_reason,
+                    cumulative_logprob=completion.cumulative_logprob,
                     logprobs=encode_logprobs(logprobs[num_logprobs:]) if logprobs else None,
                 )
             )
@@ -224,7 +224,7 @@ class EngineCore:
                 progress.first_scheduled_time = step_start
             delta.first_scheduled_time = progress.first_scheduled_time
             delta.prompt_token_ids = list(output.prompt_token_ids)
-            delta.prompt_logprobs = encode_logprobs(getattr(output, "prompt_logprobs", None))
+            delta.prompt_logprobs = encode_logprobs(output.prompt_logprobs)
             self.prefix_cache_queries += len(output.prompt_token_ids)
             self.prefix_cache_hits += output.num_cached_tokens
         if output.finished:

@@ -251,14 +251,14 @@ class OpenAIServing:
             token_ids, positions = list(completion.token_ids), list(completion.logprobs or [])
             if request.echo:
                 token_ids = prompt.token_ids + token_ids
-                positions = list(getattr(output, "prompt_logprobs", None) or []) + positions
+                positions = list(output.prompt_logprobs or []) + positions
             logprobs = self.completion_logprobs(token_ids, positions, request.logprobs, 0)
         return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
-            stop_reason=getattr(completion, "stop_reason", None),
+            stop_reason=completion.stop_reason,
         )
 
     async def completion_full(
@@ -334,7 +334,7 @@ class OpenAIServing:
             text = echo + text
             if request.logprobs is not None:
                 token_ids = prompt.token_ids + token_ids
-                positions = list(getattr(output, "prompt_logprobs", None) or []) + positions
+                positions = list(output.prompt_logprobs or []) + positions
         elif request.echo:
             offset += len(self.echo_text(prompt))
         logprobs = None
@@ -349,7 +349,7 @@ class OpenAIServing:
             text=text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
-            stop_reason=getattr(completion, "stop_reason", None),
+            stop_reason=completion.stop_reason,
         )
 
     # --- /v1/chat/completions ---------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ class OpenAIServing:
                 message=AssistantMessage(content=completion.text),
                 logprobs=self.chat_logprobs(request, completion.token_ids, completion.logprobs),
                 finish_reason=completion.finish_reason,
-                stop_reason=getattr(completion, "stop_reason", None),
+                stop_reason=completion.stop_reason,
             )
             for completion in output.outputs
         ]
@@ -470,7 +470,7 @@ class OpenAIServing:
                             delta=DeltaMessage(content=text),
                             logprobs=self.chat_logprobs(request, token_ids, positions),
                             finish_reason=completion.finish_reason,
-                            stop_reason=getattr(completion, "stop_reason", None),
+                            stop_reason=completion.stop_reason,
                         )
                         yield chunk([delta])
             if request.stream_options is not None and request.stream_options.include_usage:
