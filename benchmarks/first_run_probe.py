@@ -36,18 +36,38 @@ def specialisations(kernel) -> set:
     return {key for cache in caches.values() for key in cache[0]}
 
 
-def snapshot() -> tuple[dict[str, set], int]:
+COMPILED: list[str] = []  # every Triton JIT compilation seen by the hook, in order
+
+
+def record_compilation(*, repr: str, **_) -> None:  # noqa: A002 (Triton's keyword)
+    COMPILED.append(repr)
+
+
+def install_compile_hook() -> None:
+    """Triton >= 3.3 calls knobs.runtime.jit_post_compile_hook after each JIT compilation (any kernel)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs.runtime, "jit_post_compile_hook"):
+        knobs.runtime.jit_post_compile_hook = record_compilation
+
+
+def snapshot() -> tuple[dict[str, set], int, int]:
     from torch._dynamo.utils import counters
 
-    return {name: specialisations(k) for name, k in triton_kernels().items()}, counters["stats"]["unique_graphs"]
+    kernels = {name: specialisations(k) for name, k in triton_kernels().items()}
+    return kernels, counters["stats"]["unique_graphs"], len(COMPILED)
 
 
 def report(label: str, before, after) -> None:
-    kernels_before, graphs_before = before
-    kernels_after, graphs_after = after
+    kernels_before, graphs_before, compiled_before = before
+    kernels_after, graphs_after, compiled_after = after
     new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
     total = sum(len(keys) for keys in new.values())
-    print(f"{label}: {total} new Triton specialisations, {graphs_after - graphs_before} new torch.compile graphs")
+    print(
+        f"{label}: {compiled_after - compiled_before} Triton JIT compilations (hook), {total} new cache entries in "
+        f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs"
+    )
+    for compiled in COMPILED[compiled_before:compiled_after]:
+        print(f"    compiled {compiled[:300]}")
     for name, keys in new.items():
         for key in keys:
             print(f"    {name}: {str(key)[:300]}")
@@ -60,6 +80,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
     args = parser.parse_args()
+    install_compile_hook()
     checkpoint = Path(args.checkpoint_dir) / args.shape
     if not (checkpoint / "model.safetensors").exists():
         write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
