@@ -124,9 +124,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, TOKENS_PER_TILE: tl.cons
     return lo
 
 
-# num_seqs changes every step; specialised (Triton compiles a variant for 1 and for multiples of 16), a new batch
-# would compile a new variant inside a user's request instead of at start-up.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
 def _prefill_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
