@@ -241,26 +241,6 @@ class OpenAIServing:
             result.top_logprobs.append(top)
         return result
 
-    def completion_choice(
-        self, request: CompletionRequest, prompt: PromptInput, output: RequestOutput, completion, index: int
-    ) -> CompletionChoice:
-        text, logprobs = completion.text, None
-        if request.echo:
-            text = self.echo_text(prompt) + text
-        if request.logprobs is not None:
-            token_ids, positions = list(completion.token_ids), list(completion.logprobs or [])
-            if request.echo:
-                token_ids = prompt.token_ids + token_ids
-                positions = list(output.prompt_logprobs or []) + positions
-            logprobs = self.completion_logprobs(token_ids, positions, request.logprobs, 0)
-        return CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-
     async def completion_full(
         self, request: CompletionRequest, prompts: list[PromptInput], streams: list[RequestStream], request_id: str
     ) -> CompletionResponse:
@@ -269,7 +249,10 @@ class OpenAIServing:
         for prompt_index, (prompt, output) in enumerate(zip(prompts, finals)):
             for completion in output.outputs:
                 index = prompt_index * request.n + completion.index
-                choices.append(self.completion_choice(request, prompt, output, completion, index))
+                # A finished choice as one chunk: everything it has, from an empty progress.
+                choices.append(
+                    self.completion_chunk_choice(request, prompt, output, completion, index, ChoiceProgress())
+                )
                 num_completion_tokens += len(completion.token_ids)
         return CompletionResponse(
             id=request_id,
@@ -320,7 +303,8 @@ class OpenAIServing:
         index: int,
         choice: ChoiceProgress,
     ) -> CompletionChoice | None:
-        """The text and tokens a choice gained since its last chunk; None when there is nothing to send."""
+        """The text and tokens a choice gained since its last chunk (all of it from a fresh ChoiceProgress); None
+        when there is nothing to send."""
         if choice.finished:
             return None
         text = completion.text[choice.text_len :]
