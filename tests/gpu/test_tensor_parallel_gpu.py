@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 from conftest import VOCAB_SIZE, capture_logits
-from test_gpu_engine import SMALL, prompts, reference_greedy, tokens
-from transformers import AutoModelForCausalLM
+from test_gpu_engine import SMALL, assert_bf16_prefill_matches_transformers, prompts, reference_greedy, tokens
 
 from pagedllm import LLM
 
@@ -42,13 +41,7 @@ def test_bfloat16_logits_and_first_tokens_match_transformers(tiny_model_dirs, na
     with parallel_llm(tiny_model_dirs[name], dtype="bfloat16") as llm:
         captured = capture_logits(llm)  # rank 0's model: its compute_logits returns the gathered logits
         ours = tokens(llm, batch)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[name], dtype=torch.bfloat16).cuda().eval()
-    for index, prompt in enumerate(batch):
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt["prompt_token_ids"]], device="cuda")).logits[0, -1].float()
-        error = (captured[0][index].float() - expected).norm() / expected.norm()
-        assert error < 2e-2, f"prompt {index}: relative logits error {error:.2e}"
-        assert ours[index][0] == expected.argmax().item()
+    assert_bf16_prefill_matches_transformers(tiny_model_dirs[name], batch, captured[0], ours)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
