@@ -8,6 +8,7 @@ Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seq
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import triton
 
 from pagedllm import LLM
 from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+from pagedllm.entrypoints.bench_latency import random_prompt, time_to_first_token
 
 
 def triton_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
@@ -99,6 +101,12 @@ def main() -> None:
             f"decode {result.decode_s:.2f} s)"
         )
         report(f"run {index}", before, before := snapshot())
+    # Fresh shapes after the runs, as a server sees them: batches of new prompts of sizes the runs never had.
+    rng = random.Random(1)
+    for num_prompts, length in ((1, 77), (8, 128), (16, 128), (13, 300)):
+        ttft = time_to_first_token(llm, [random_prompt(rng, length) for _ in range(num_prompts)])
+        report(f"{num_prompts} fresh {length}-token prompts: first token after {1e3 * ttft:.0f} ms", before,
+               before := snapshot())  # fmt: skip
 
 
 if __name__ == "__main__":

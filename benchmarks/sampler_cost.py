@@ -2,11 +2,17 @@
 
 Run: python benchmarks/sampler_cost.py [--device cpu] [--rows 256] [--vocab 151936] [--repeats 5] [--threads 2]
 Prints one line per mix: median milliseconds of the sampler call, and of building the host-side batch.
+
+--engine (GPU): the whole decode step instead, in the engine with CUDA graphs and async scheduling, on random
+Qwen3-0.6B weights: --rows requests of 512 random prompt tokens decode 96 tokens each with every row using the mix;
+prints the median decode-step time per mix (from the engine's step records), so a feature's cost is read against
+the step it is part of.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -75,6 +81,55 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> tuple[
     return statistics.median(sampler_ms), statistics.median(build_ms)
 
 
+def decode_step_ms(llm, params: list[SamplingParams], prompts: list[list[int]]) -> float:
+    """Median interval between consecutive decode-only steps' tokens reaching the host, over one batch."""
+    engine = llm.llm_engine
+    resolved: list[tuple[int, float]] = []
+    listener = lambda record: resolved.append((record.num_prefill_tokens, record.resolved_at))  # noqa: E731
+    engine.add_step_listener(listener)
+    try:
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"cost-{index}", {"prompt_token_ids": prompt}, p, stream=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.remove_step_listener(listener)
+    intervals = [(now - before) * 1e3 for (_, before), (prefill, now) in zip(resolved, resolved[1:]) if prefill == 0]
+    return statistics.median(intervals[len(intervals) // 4 :])  # skip the steps right after the prefills
+
+
+def engine_mode(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.bench import write_random_checkpoint
+
+    checkpoint = Path("/tmp/pagedllm-bench/qwen3-0.6b")
+    if not (checkpoint / "model.safetensors").exists():
+        write_random_checkpoint("qwen3-0.6b", checkpoint, torch.device("cuda"))
+    llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 10_000, (512,), generator=generator).tolist() for _ in range(args.rows)]
+    names = args.only or list(MIXES)
+    print(f"decode step of {args.rows} sequences (512-token prompts, 96 tokens out), Qwen3-0.6B shape, median of")
+    print(f"the later 3/4 of the decode steps, {args.repeats} rounds over the mixes; the median round shown")
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            params = [
+                dataclasses.replace(p, max_tokens=96, ignore_eos=True, min_tokens=min(p.min_tokens, 96))
+                for p in (MIXES[name](row) for row in range(args.rows))
+            ]
+            steps[name].append(decode_step_ms(llm, params, prompts))
+            llm.reset_prefix_cache()
+    base = statistics.median(steps[names[0]])
+    print(f"| {'mix':<34} | decode step ms | vs {names[0]} |")
+    print(f"| {'-' * 34} | -------------- | ---------- |")
+    for name in names:
+        ms = statistics.median(steps[name])
+        print(f"| {name:<34} | {ms:14.2f} | {ms / base:10.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -83,7 +138,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these mixes (names as printed)")
+    parser.add_argument("--engine", action="store_true", help="time the whole decode step in the engine (GPU)")
     args = parser.parse_args()
+    if args.engine:
+        return engine_mode(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

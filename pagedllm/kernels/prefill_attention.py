@@ -124,7 +124,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, TOKENS_PER_TILE: tl.cons
     return lo
 
 
-@triton.jit
+# num_seqs changes every step: not specialised (Triton would compile separate variants for 1 and for multiples of
+# 16, one of them inside a user's request); every other integer argument is fixed per model.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]

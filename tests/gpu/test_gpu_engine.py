@@ -61,7 +61,8 @@ def test_bfloat16_logits_and_first_tokens_match_transformers(tiny_model_dirs, na
     batch = prompts()
     llm = LLM(tiny_model_dirs[name], dtype="bfloat16", **SMALL)
     captured = capture_logits(llm)
-    assert_bf16_prefill_matches_transformers(tiny_model_dirs[name], batch, captured[0], tokens(llm, batch))
+    ours = tokens(llm, batch)  # fills captured: its first entry is the prefill step's logits
+    assert_bf16_prefill_matches_transformers(tiny_model_dirs[name], batch, captured[0], ours)
 
 
 def assert_bf16_prefill_matches_transformers(directory: str, batch: list[dict], prefill_logits, ours) -> None:
