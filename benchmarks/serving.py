@@ -158,16 +158,21 @@ def offline_reference(args: argparse.Namespace, prompts, output_lens) -> dict:
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
         engine.add_request(f"offline-{index}", {"prompt_token_ids": prompt}, params, stream=False)
     full_batch = min(len(prompts), args.max_num_seqs)
-    decode_steps, output_tokens = [], 0
+    records = []
+    engine.add_step_listener(records.append)
+    output_tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
         outputs = engine.step()
-        elapsed = time.perf_counter() - step_start
         output_tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
-        if not engine.last_step.num_prefill_tokens and engine.last_step.num_decode_tokens == full_batch:
-            decode_steps.append(elapsed)
     total = time.perf_counter() - start
+    engine.remove_step_listener(records.append)
+    # A step lasts from the previous step's tokens reaching the host to its own (as `pagedllm bench` counts).
+    decode_steps = [
+        record.resolved_at - previous.resolved_at
+        for previous, record in zip(records, records[1:])
+        if not record.num_prefill_tokens and record.num_decode_tokens == full_batch
+    ]
     return {
         "output_tokens_per_s": output_tokens / total,
         "duration_s": total,
@@ -248,6 +253,8 @@ def main() -> None:
             from server_process import stop_server
 
             stop_server(server)
+    if args.output:  # the served results are kept even if the offline reference fails
+        Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     offline = offline_reference(args, prompts, output_lens) if args.offline else None
     print(f"\nmodel {model}, {args.num_seqs} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
           f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, {args.threads} engine thread(s)")  # fmt: skip
