@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,30 +84,63 @@ async def stream_request(client: httpx.AsyncClient, model: str, prompt: list[int
     return result
 
 
-async def run_rate(base_url: str, model: str, prompts, output_lens, rate: float, api_key: str | None) -> dict:
-    """Send every request (Poisson arrivals at `rate` per second; inf: all at once) and wait for all of them."""
-    arrivals = random.Random(1)
+async def send_share(
+    base_url: str, model: str, share: list[tuple[float, list[int], int]], start_at: float, api_key: str | None
+) -> list[RequestResult]:
+    """Send this client's requests, each at start_at + its arrival offset (time.perf_counter() clock)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         tasks = []
-        start = time.perf_counter()
-        for prompt, max_tokens in zip(prompts, output_lens):
+        for offset, prompt, max_tokens in share:
+            await asyncio.sleep(max(0.0, start_at + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(stream_request(client, model, prompt, max_tokens)))
-            if rate != float("inf"):
-                await asyncio.sleep(arrivals.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        return await asyncio.gather(*tasks)
+
+
+def client_process(base_url, model, share, start_at, api_key) -> tuple[list[RequestResult], float]:
+    results = asyncio.run(send_share(base_url, model, share, start_at, api_key))
+    return results, time.perf_counter()
+
+
+def run_rate(
+    base_url: str, model: str, prompts, output_lens, rate: float, api_key: str | None, num_clients: int = 1
+) -> dict:
+    """Send every request (Poisson arrivals at `rate` per second; inf: all at once) from num_clients processes,
+    request i from client i % num_clients, and wait for all of them. One Python client parses some thousands of
+    SSE lines a second; past that it reads several chunks at once and their gaps (ITL) shrink to nothing."""
+    arrivals = random.Random(1)
+    offsets, now = [], 0.0
+    for _ in prompts:
+        offsets.append(now)
+        now += 0.0 if rate == float("inf") else arrivals.expovariate(rate)
+    requests = list(zip(offsets, prompts, output_lens))
+    shares = [requests[client::num_clients] for client in range(num_clients)]
+    if num_clients == 1:
+        start = time.perf_counter()
+        finished = [client_process(base_url, model, shares[0], start, api_key)]
+    else:
+        with ProcessPoolExecutor(num_clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for warm_up in [pool.submit(time.sleep, 0.2) for _ in range(num_clients)]:
+                warm_up.result()  # every client process is up
+            start = time.perf_counter() + 1.0  # CLOCK_MONOTONIC: the same clock in every process
+            futures = [pool.submit(client_process, base_url, model, share, start, api_key) for share in shares]
+            finished = [future.result() for future in futures]
+    duration = max(end for _, end in finished) - start
+    results = [result for client_results, _ in finished for result in client_results]
     errors = [result.error for result in results if result.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
     ttfts = [result.ttft for result in results]
     itls = [itl for result in results for itl in result.itls]
+    # Time per output token after the first, per request: unlike ITL, it does not depend on how chunks are read.
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
     output_tokens = sum(result.output_tokens for result in results)
     assert output_tokens == sum(output_lens), "ignore_eos requests must generate exactly max_tokens"
     return {
         "rate": rate,
         "num_requests": len(results),
+        "num_clients": num_clients,
         "duration_s": duration,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / duration,
@@ -113,6 +148,7 @@ async def run_rate(base_url: str, model: str, prompts, output_lens, rate: float,
         "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
         "itl_p50_ms": 1e3 * percentile(itls, 50),
         "itl_p99_ms": 1e3 * percentile(itls, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpots, 50),
     }
 
 
@@ -184,20 +220,20 @@ def offline_reference(args: argparse.Namespace, prompts, output_lens) -> dict:
 
 def print_table(results: list[dict], offline: dict | None, num_requests: int) -> None:
     columns = "arrivals | requests | duration (s) | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 | ITL p99"
-    print(f"| {columns} (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {columns} (ms) | TPOT p50 (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in results:
         arrivals = "all at once" if row["rate"] == float("inf") else f"Poisson {row['rate']:g}/s"
         print(
             f"| {arrivals} | {row['num_requests']} | {row['duration_s']:.1f} | {row['output_tokens_per_s']:,.1f} "
             f"| {row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {row['itl_p50_ms']:,.1f} "
-            f"| {row['itl_p99_ms']:,.1f} |"
+            f"| {row['itl_p99_ms']:,.1f} | {row['tpot_p50_ms']:,.1f} |"
         )
     if offline:
         print(
             f"| offline (in-process engine) | {num_requests} "
             f"| {offline['duration_s']:.1f} | {offline['output_tokens_per_s']:,.1f} | | "
-            f"| decode step at batch {offline['decode_batch']}: {offline['decode_step_p50_ms']:.1f} | |"
+            f"| decode step at batch {offline['decode_batch']}: {offline['decode_step_p50_ms']:.1f} | | |"
         )
 
 
@@ -210,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="model name to send (default: ask /v1/models)")
     parser.add_argument("--rates", type=float, nargs="+", default=[float("inf")], help="requests/s; inf = all at once")
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--clients", type=int, default=8, help="client processes sharing the requests (8)")
     parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     parser.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are drawn from 0..this")
@@ -241,13 +278,13 @@ def main() -> None:
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.served_model_name or httpx.get(f"{base_url}/v1/models", headers=headers).json()["data"][0]["id"]
-        asyncio.run(run_rate(base_url, model, prompts[:2], [4, 4], float("inf"), args.api_key))  # warm-up
+        run_rate(base_url, model, prompts[:2], [4, 4], float("inf"), args.api_key)  # warm-up
         results = []
         for run_index, rate in enumerate(args.rates):
             # Shift every token id per run: same lengths, no prefix-cache hits on an earlier run's prompts.
             shift = 1009 * (run_index + 1)
             run_prompts = [[(token + shift) % (args.max_token_id + 1) for token in prompt] for prompt in prompts]
-            results.append(asyncio.run(run_rate(base_url, model, run_prompts, output_lens, rate, args.api_key)))
+            results.append(run_rate(base_url, model, run_prompts, output_lens, rate, args.api_key, args.clients))
     finally:
         if server is not None:
             from server_process import stop_server
