@@ -46,7 +46,7 @@ DECODE_CONFIGS = [
     dict(block_n=64, num_warps=4, num_stages=3, num_splits=2),
 ]
 # The fp8 decode sweep (--fp8-sweep): every combination, both conversions (benchmarks/NOTES.md, "GPU speed").
-FP8_SWEEP_GRID = dict(block_n=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), fp8_via_f16=(False, True))
+FP8_SWEEP_GRID = dict(block_n=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(1, 2, 3, 4), fp8_via_f16=(False, True))
 PREFILL_CONFIGS = [
     dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     dict(block_m=64, block_n=64, num_warps=4, num_stages=4),
