@@ -81,6 +81,17 @@ def profile_one_sequence(llm: LLM, rng: random.Random, num_steps: int = 20) -> d
     return {"profiled_ms_per_step": 1e3 * elapsed / num_steps, "kernels_per_step": len(kernels) / num_steps}
 
 
+def profile_first_token(llm: LLM, prompts: list[dict]) -> None:
+    """Where the time to the first token of a fresh batch goes: host (self CPU time) and device, under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        ttft = time_to_first_token(llm, prompts)
+    print(f"\nprofiled first token of {len(prompts)} fresh prompts: {1e3 * ttft:.1f} ms under the profiler")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
 def run_latency(checkpoint: str, max_positions: int, profile: bool = False, **engine_kwargs) -> dict:
     """The 32,000-token row runs only where the model's positions allow it; profile: then a profile of one
     sequence's decode steps (kernels per step, the kernel table)."""
@@ -103,6 +114,7 @@ def run_latency(checkpoint: str, max_positions: int, profile: bool = False, **en
     print(f"| 8 fresh 128-token prompts, first token | {1e3 * result['eight_fresh_128_token_prompts_ttft_s']:.0f} ms |")
     if profile:
         result["profile"] = profile_one_sequence(llm, rng)
+        profile_first_token(llm, [random_prompt(rng, 128) for _ in range(8)])
     llm_shutdown = getattr(llm, "shutdown", None)
     if llm_shutdown is not None:
         llm_shutdown()
