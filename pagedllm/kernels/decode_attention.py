@@ -164,6 +164,9 @@ def decode_attention(
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
+    # A float16 model's dots run in f16 anyway: take the path whose probabilities carry tile-relative value scales,
+    # since p * v_scale underflows f16 for small values (an unchanged conversion otherwise).
+    fp8_via_f16 = fp8_via_f16 or (fp8 and query.dtype == torch.float16)
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:

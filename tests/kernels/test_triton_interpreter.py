@@ -66,6 +66,12 @@ STEPS = {
                                            kernel_args={"fp8_via_f16": True, "block_n": 16}),
     "fp8_via_f16_prefill_tiny_values": Step((12, 30), (20, 30), 4, 2, 64, kv_cache_dtype="fp8", value_scale=2**-20,
                                             kernel_args={**PREFILL_TILES, "fp8_via_f16": True}),
+    # a float16 model with an fp8 cache (dots in f16 whatever the switch): values ~2^-11 are normal f16 numbers, but
+    # p * v_scale (~2^-19 and less) is not: 1-2% error before the launchers took the tile-relative scales for f16
+    "fp8_fp16_model_decode_small_values": Step((1,) * 2, (70, 33), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
+                                              value_scale=2**-11, kernel_args={"block_n": 16}),
+    "fp8_fp16_model_prefill_small_values": Step((12, 30), (20, 30), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
+                                               value_scale=2**-11, kernel_args=PREFILL_TILES),
 }  # fmt: skip
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
 
