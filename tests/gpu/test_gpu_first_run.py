@@ -68,11 +68,13 @@ def test_requests_after_start_up_compile_nothing(tiny_model_dirs):
 
 
 def test_a_fresh_engines_first_run_is_as_fast_as_its_second(tiny_model_dirs):
-    """The engine built second in the process (the first pays Triton's on-disk cache misses): its first run of a
-    workload within 5% of the median of its next three."""
-    prompts = workload(7, 64, (16, 512))
-    LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL).shutdown()
+    """The engine built second in the process (the first pays Triton's on-disk cache misses and the process's first
+    pass through the engine's Python): its first run of a workload within 5% of the median of its next three."""
+    prompts = workload(7, 128, (16, 512))
+    first_engine = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
+    run(first_engine, prompts[:4], max_tokens=4)
+    first_engine.shutdown()
     llm = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
-    first = run(llm, prompts, max_tokens=64)
-    later = statistics.median(run(llm, prompts, max_tokens=64) for _ in range(3))
+    first = run(llm, prompts, max_tokens=96)
+    later = statistics.median(run(llm, prompts, max_tokens=96) for _ in range(3))
     assert first <= 1.05 * later, f"first run {first:.3f} s, later runs' median {later:.3f} s"
