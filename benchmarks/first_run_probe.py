@@ -24,9 +24,10 @@ def triton_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     import pagedllm.kernels.decode_attention as decode
     import pagedllm.kernels.kv_store as store
     import pagedllm.kernels.prefill_attention as prefill
+    import pagedllm.kernels.race_sampling as race
 
     kernels = {}
-    for module in (decode, store, prefill):
+    for module in (decode, store, prefill, race):
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction):
                 kernels[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = value

@@ -4,8 +4,10 @@ in the same run, for 16-bit and fp8 KV caches and head_dim 64/80/96/128.
 Run on the GPU machine, from the repository root:
     PYTHONUNBUFFERED=1 python benchmarks/kernels.py            # checks + timings (a few minutes)
     python benchmarks/kernels.py --no-checks --quick           # timings of the main rows only
+    python benchmarks/kernels.py --no-checks --quick --fp8-sweep   # + the fp8 decode config sweep (~1.5 min more)
 Writes $OUT/kernels.json (every number) and $OUT/kernels.md (the tables), OUT defaulting to the current directory,
 after every section, so a run cut short keeps what it measured. The checks are `pytest -m gpu tests/kernels`.
+On a CPU, `--dry-run` runs the fp8 sweep's code path on tiny shapes under the Triton interpreter (times meaningless).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from paged_batch import PagedBatch, Step, make_batch  # noqa: E402
 from pagedllm.attention.fp8 import dequantize_fp8  # noqa: E402
 from pagedllm.attention.torch_backend import paged_attention  # noqa: E402
 
-DEVICE = "cuda"
+DEVICE = "cuda"  # "cpu" with --dry-run
+MODEL_DTYPE = "bfloat16"  # of the decode queries and the sweep's; "float16" with --dry-run (the interpreter's dots
+# read bfloat16 as garbage: errors ~1e9, not a kernel bug; the interpreter tests use float32/float16 only)
 QWEN3 = dict(num_heads=16, num_kv_heads=8, head_dim=128)  # Qwen3-0.6B attention, per layer
 # Call 1 of the first kernels swept block_n {32, 64, 128} x warps {4, 8} x stages {2..5}: benchmarks/NOTES.md.
 DECODE_CONFIGS = [
@@ -41,6 +45,8 @@ DECODE_CONFIGS = [
     dict(block_n=64, num_warps=8, num_stages=3),
     dict(block_n=64, num_warps=4, num_stages=3, num_splits=2),
 ]
+# The fp8 decode sweep (--fp8-sweep): every combination, both conversions (benchmarks/NOTES.md, "GPU speed").
+FP8_SWEEP_GRID = dict(block_n=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(1, 2, 3, 4), fp8_via_f16=(False, True))
 PREFILL_CONFIGS = [
     dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     dict(block_m=64, block_n=64, num_warps=4, num_stages=4),
@@ -51,14 +57,18 @@ PREFILL_CONFIGS = [
 
 
 def bench_us(function) -> float:
+    if DEVICE == "cpu":  # --dry-run: one interpreted call proves the path runs; its time means nothing
+        start = time.perf_counter()
+        function()
+        return (time.perf_counter() - start) * 1e6
     from triton.testing import do_bench
 
     return do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB, bytes read plus bytes written, per second."""
-    source = torch.randn(2**29, device=DEVICE)
+def copy_bandwidth(num_floats: int = 2**29) -> float:
+    """Device-to-device copy of num_floats float32 (2 GiB by default), bytes read plus bytes written, per second."""
+    source = torch.randn(num_floats, device=DEVICE)
     target = torch.empty_like(source)
     return 2 * source.nbytes / (bench_us(lambda: target.copy_(source)) * 1e-6)
 
@@ -85,13 +95,21 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
 
 
 def decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, kv_cache_dtype, block_size=16) -> PagedBatch:
-    step = Step((1,) * len(seq_lens), tuple(seq_lens), num_heads, num_kv_heads, head_dim, block_size, "bfloat16",
+    step = Step((1,) * len(seq_lens), tuple(seq_lens), num_heads, num_kv_heads, head_dim, block_size, MODEL_DTYPE,
                 kv_cache_dtype)  # fmt: skip
     return make_batch(step, torch.Generator().manual_seed(0), DEVICE, poison=False)
 
 
-def time_decode(name: str, batch: PagedBatch, copy_bw: float, config: dict, graph: bool = False) -> dict:
-    """One row: median us of decode attention (a CUDA graph replay when graph), bandwidth, error."""
+def time_decode(
+    name: str,
+    batch: PagedBatch,
+    copy_bw: float,
+    config: dict,
+    graph: bool = False,
+    expected: torch.Tensor | None = None,
+) -> dict:
+    """One row: median us of decode attention (a CUDA graph replay when graph), bandwidth, error against expected
+    (the reference of this batch, computed here when not given)."""
     from pagedllm.kernels import decode_attention
 
     md, head_dim = batch.metadata, batch.query.shape[2]
@@ -104,7 +122,7 @@ def time_decode(name: str, batch: PagedBatch, copy_bw: float, config: dict, grap
         run = partial(decode_attention, batch.query, batch.k_cache, batch.v_cache, md.seq_lens, md.block_tables,
                       scale, out, k_scale=batch.k_scale, v_scale=batch.v_scale, **config)  # fmt: skip
         run()
-        row["rel_err"] = relative_error(out, reference(batch, scale))
+        row["rel_err"] = relative_error(out, reference(batch, scale) if expected is None else expected)
         if graph:
             torch.cuda.synchronize()
             cuda_graph = torch.cuda.CUDAGraph()
@@ -153,6 +171,47 @@ def decode_rows(copy_bw: float, quick: bool) -> list[dict]:
             rows.append(time_decode("decode 256 x 1024, 16/8 heads", batch, copy_bw, {}))
         rows.append(varlen_decode_row(decode_batch(uniform, **QWEN3, kv_cache_dtype="auto"), copy_bw))
     return rows
+
+
+def fp8_sweep_configs() -> list[dict]:
+    """Every combination of FP8_SWEEP_GRID: block_n outermost, the conversion innermost (bf16 and f16 side by side)."""
+    configs = [{}]
+    for key, values in reversed(FP8_SWEEP_GRID.items()):
+        configs = [{key: value, **config} for value in values for config in configs]
+    return configs
+
+
+def fp8_sweep_rows(copy_bw: float, shapes: dict, prefill_shape: tuple) -> list[dict]:
+    """fp8 decode over FP8_SWEEP_GRID for each shape (name -> (seq_lens, heads as QWEN3)), after bf16 at its
+    default; then prefill: bf16 and fp8 at their defaults, and fp8 with fp8_via_f16."""
+    rows = []
+    for name, (seq_lens, heads) in shapes.items():
+        rows.append(time_decode(name, decode_batch(seq_lens, **heads, kv_cache_dtype="auto"), copy_bw, {}))
+        batch = decode_batch(seq_lens, **heads, kv_cache_dtype="fp8")
+        expected = reference(batch, heads["head_dim"] ** -0.5)  # once: every config must reproduce it
+        for config in fp8_sweep_configs():
+            rows.append(time_decode(name, batch, copy_bw, config, expected=expected))
+        del batch, expected
+    num_seqs, seq_len, num_kv_heads, head_dim = prefill_shape
+    for cache, config in (("auto", {}), ("fp8", {}), ("fp8", dict(fp8_via_f16=True))):
+        step = Step((seq_len,) * num_seqs, (seq_len,) * num_seqs, 16, num_kv_heads, head_dim, 16, MODEL_DTYPE, cache)
+        batch = make_batch(step, torch.Generator().manual_seed(0), DEVICE, poison=False)
+        rows.append(time_prefill(batch, config, varlen=False))
+    return rows
+
+
+def fp8_sweep_shapes(dry_run: bool) -> tuple[dict, tuple]:
+    """The sweep's decode shapes and its prefill shape (num_seqs, seq_len, num_kv_heads, head_dim): Qwen3-0.6B's
+    heads at the benchmark's sizes, or tiny ones for the interpreter."""
+    if dry_run:
+        tiny = dict(num_heads=4, num_kv_heads=2, head_dim=128)
+        return {"decode 3 x 40..70 (dry run), 4/2 heads": ((40, 70, 55), tiny)}, (2, 24, 2, 128)
+    mixed = torch.randint(100, 2049, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    shapes = {
+        "decode 256 x 1024, 16/8 heads": ([1024] * 256, QWEN3),
+        "decode 256 x 100..2048 (mixed), 16/8 heads": (mixed, QWEN3),
+    }
+    return shapes, (4, 1024, 8, 128)
 
 
 def try_varlen_attn():
@@ -206,8 +265,8 @@ def time_prefill(batch: PagedBatch, config: dict, varlen: bool) -> dict:
     num_seqs, seq_len = md.num_seqs, md.max_seq_len
     num_heads, head_dim = batch.query.shape[1:]
     scale = head_dim**-0.5
-    cache = "fp8" if batch.k_scale is not None else "bfloat16"
-    name = f"prefill {num_seqs} x {seq_len}, 16/{batch.k_cache.shape[2]} heads" + (
+    cache = "fp8" if batch.k_scale is not None else str(batch.k_cache.dtype).removeprefix("torch.")
+    name = f"prefill {num_seqs} x {seq_len}, {num_heads}/{batch.k_cache.shape[2]} heads" + (
         ", torch varlen_attn" if varlen else ""
     )
     row = {"bench": name, "cache": cache, "head_dim": head_dim, **config}
@@ -301,7 +360,7 @@ def run_checks(out_dir: Path) -> dict:
 
 
 COLUMNS = ("bench", "cache", "head_dim", "config", "us", "GB/s", "pct_of_copy", "TFLOP/s", "rel_err", "error")
-CONFIG_KEYS = ("block_size", "block_m", "block_n", "num_warps", "num_stages", "num_splits", "graph")
+CONFIG_KEYS = ("block_size", "block_m", "block_n", "num_warps", "num_stages", "num_splits", "fp8_via_f16", "graph")
 
 
 def markdown(results: dict) -> str:
@@ -311,7 +370,7 @@ def markdown(results: dict) -> str:
         lines.append(f"copy bandwidth (read + write): {results['copy_GB/s']:.0f} GB/s")
     if "checks" in results:
         lines.append(f"checks (`pytest -m gpu tests/kernels`): {results['checks']['summary']}")
-    for section in ("decode", "prefill", "store"):
+    for section in ("decode", "prefill", "store", "fp8_sweep"):
         if section not in results:
             continue
         lines += ["", f"## {section}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -348,27 +407,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-checks", action="store_true", help="skip pytest -m gpu tests/kernels")
     parser.add_argument("--quick", action="store_true", help="only the main rows (no config sweeps)")
+    parser.add_argument("--fp8-sweep", action="store_true", help="also the fp8 decode sweep over FP8_SWEEP_GRID")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the fp8 sweep, tiny shapes, Triton interpreter")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    global DEVICE, MODEL_DTYPE
+    if args.dry_run:
+        DEVICE, MODEL_DTYPE = "cpu", "float16"
+        os.environ["TRITON_INTERPRET"] = "1"  # read when pagedllm.kernels is first imported, below
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (or --dry-run)")
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     import triton
 
-    results = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+    device_name = "cpu (interpreter dry run)" if args.dry_run else torch.cuda.get_device_name()
+    results = {"torch": torch.__version__, "triton": triton.__version__, "device": device_name,
                "commit": git_commit()}  # fmt: skip
     print(results, flush=True)
-    if not args.no_checks:
+    if not args.no_checks and not args.dry_run:
         results["checks"] = run_checks(out_dir)
         save(results, out_dir)
     torch.manual_seed(0)
-    results["copy_GB/s"] = copy_bandwidth() / 1e9
+    results["copy_GB/s"] = copy_bandwidth(2**20 if args.dry_run else 2**29) / 1e9
+    copy_bw = results["copy_GB/s"] * 1e9
     sections = {
-        "decode": lambda: decode_rows(results["copy_GB/s"] * 1e9, args.quick),
+        "decode": lambda: decode_rows(copy_bw, args.quick),
         "prefill": lambda: prefill_rows(args.quick),
         "store": store_rows,
+        "fp8_sweep": lambda: fp8_sweep_rows(copy_bw, *fp8_sweep_shapes(args.dry_run)),
         "kernel_resources": kernel_resources,
     }
+    if args.dry_run:
+        sections = {"fp8_sweep": sections["fp8_sweep"]}
+    elif not args.fp8_sweep:
+        del sections["fp8_sweep"]
     for name, section in sections.items():
         try:
             results[name] = section()
@@ -376,8 +448,13 @@ def main() -> None:
             results[name + "_error"] = traceback.format_exc()[-3000:]
             print(results[name + "_error"], flush=True)
         save(results, out_dir)
-        torch.cuda.empty_cache()
+        if not args.dry_run:
+            torch.cuda.empty_cache()
     print(markdown(results))
+    if args.dry_run:  # the interpreter's results must match the reference like the GPU's (tolerance as the tests')
+        failed = [row for row in results.get("fp8_sweep", []) if not row.get("rel_err", float("inf")) < 1e-2]
+        if failed or "fp8_sweep_error" in results:
+            raise SystemExit(f"dry run: {len(failed)} rows failed or erred")
 
 
 if __name__ == "__main__":

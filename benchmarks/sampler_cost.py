@@ -7,17 +7,23 @@ Prints one line per mix: median milliseconds of the sampler call, and of buildin
 Qwen3-0.6B weights: --rows requests of 512 random prompt tokens decode 96 tokens each with every row using the mix;
 prints the median decode-step time per mix (from the engine's step records), so a feature's cost is read against
 the step it is part of.
+
+"temperature only (fused kernel)" runs its batch through the Triton race (kernels/race_sampling.py) and every other
+mix through the torch path, whatever PAGEDLLM_FUSED_SAMPLER says, so the two are compared in one run (CUDA only).
+Set PAGEDLLM_FUSED_SAMPLER=1 for --engine so that start-up compiles the kernel, as it would for a user.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
 
 import torch
 
+from pagedllm.layers import sampler as sampler_module
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +44,7 @@ ALL_FEATURES = dict(
 MIXES = {  # name: each row's SamplingParams given its row index
     "greedy": lambda row: SamplingParams(temperature=0),
     "temperature only": lambda row: SamplingParams(temperature=0.8),
+    "temperature only (fused kernel)": lambda row: SamplingParams(temperature=0.8),
     "temperature, every row seeded": lambda row: SamplingParams(temperature=0.8, seed=row),
     "top_k 50 + top_p 0.9 (topk path)": lambda row: SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
     "top_p 0.9 (full sort)": lambda row: SamplingParams(temperature=0.8, top_p=0.9),
@@ -47,6 +54,18 @@ MIXES = {  # name: each row's SamplingParams given its row index
     "all features, unseeded": lambda row: SamplingParams(**ALL_FEATURES),
     "all features, every row seeded": lambda row: SamplingParams(**ALL_FEATURES, seed=row),
 }
+
+FUSED_MIXES = {"temperature only (fused kernel)"}  # sampled by the Triton race kernel (CUDA)
+
+
+@contextlib.contextmanager
+def fused_race(on: bool):
+    """The sampler's switch for the fused race kernel, set for one mix."""
+    previous, sampler_module.FUSED_RACE = sampler_module.FUSED_RACE, on
+    try:
+        yield
+    finally:
+        sampler_module.FUSED_RACE = previous
 
 
 def synchronize(device: torch.device) -> None:
@@ -120,7 +139,8 @@ def engine_mode(args: argparse.Namespace) -> None:
                 dataclasses.replace(p, max_tokens=96, ignore_eos=True, min_tokens=min(p.min_tokens, 96))
                 for p in (MIXES[name](row) for row in range(args.rows))
             ]
-            steps[name].append(decode_step_ms(llm, params, prompts))
+            with fused_race(name in FUSED_MIXES):
+                steps[name].append(decode_step_ms(llm, params, prompts))
             llm.reset_prefix_cache()
     base = statistics.median(steps[names[0]])
     print(f"| {'mix':<34} | decode step ms | vs {names[0]} |")
@@ -150,8 +170,11 @@ def main() -> None:
     print(f"| {'mix':<34} | sampler ms | host batch ms |")
     print(f"| {'-' * 34} | ---------- | ------------- |")
     for name in args.only or MIXES:
-        sampler_ms, build_ms = measure(name, args, device)
-        print(f"| {name:<34} | {sampler_ms:10.1f} | {build_ms:13.2f} |", flush=True)
+        if name in FUSED_MIXES and device.type != "cuda":
+            continue  # the kernel runs on CUDA only
+        with fused_race(name in FUSED_MIXES):
+            sampler_ms, build_ms = measure(name, args, device)
+        print(f"| {name:<34} | {sampler_ms:10.2f} | {build_ms:13.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -321,7 +321,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (1)")
-    parser.add_argument("--profile", action="store_true", help="first print a torch.profiler table of decode steps")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="print a torch.profiler table of decode steps (first; with --latency: last, of one sequence)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")
     parser.add_argument("--plot", metavar="PNG", help="draw the median run over time (needs matplotlib)")
@@ -349,7 +352,7 @@ def run(args: argparse.Namespace) -> None:
             write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
         latency = run_latency(
             str(checkpoint), SHAPES[args.shape]["max_position_embeddings"], enforce_eager=args.enforce_eager,
-            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype, profile=args.profile,
         )  # fmt: skip
         result = {"shape": args.shape, "tensor_parallel_size": args.tensor_parallel_size, "latency": latency}
     else:

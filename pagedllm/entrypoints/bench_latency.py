@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from pagedllm import LLM, SamplingParams
 
 LONG_CONTEXT = 32_000
@@ -48,8 +50,51 @@ def time_to_first_token(llm: LLM, prompts: list[dict]) -> float:
     return first
 
 
-def run_latency(checkpoint: str, max_positions: int, **engine_kwargs) -> dict:
-    """The 32,000-token row runs only where the model's positions allow it."""
+def profile_one_sequence(llm: LLM, rng: random.Random, num_steps: int = 20) -> dict:
+    """Where one sequence's decode step goes: a torch.profiler table of num_steps decode steps, and the device
+    kernels launched per step (inside the CUDA graph too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.6, max_tokens=4 * num_steps, ignore_eos=True)
+    engine.add_request("profile", random_prompt(rng, 512), params)
+    while not any(output.outputs[0].token_ids for output in engine.step()):
+        pass
+    engine.step()  # the first decode steps are queued: profile steady steps only
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+    engine.abort_request("profile")
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    print(
+        f"\nprofiled one-sequence decode: {1e3 * elapsed / num_steps:.2f} ms/step under the profiler, "
+        f"{len(kernels) / num_steps:.0f} device kernels per step, "
+        f"{sum(event.time_range.elapsed_us() for event in kernels) / num_steps / 1e3:.3f} ms of kernel time per step"
+    )
+    print(profiler.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
+    return {"profiled_ms_per_step": 1e3 * elapsed / num_steps, "kernels_per_step": len(kernels) / num_steps}
+
+
+def profile_first_token(llm: LLM, prompts: list[dict]) -> None:
+    """Where the time to the first token of a fresh batch goes: host (self CPU time) and device, under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        ttft = time_to_first_token(llm, prompts)
+    print(f"\nprofiled first token of {len(prompts)} fresh prompts: {1e3 * ttft:.1f} ms under the profiler")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+def run_latency(checkpoint: str, max_positions: int, profile: bool = False, **engine_kwargs) -> dict:
+    """The 32,000-token row runs only where the model's positions allow it; profile: then a profile of one
+    sequence's decode steps (kernels per step, the kernel table)."""
     rng = random.Random(0)
     long_context = max_positions >= LONG_CONTEXT + 1024
     max_model_len = LONG_CONTEXT + 1024 if long_context else min(max_positions, 4096)
@@ -67,6 +112,9 @@ def run_latency(checkpoint: str, max_positions: int, **engine_kwargs) -> dict:
         long_ms = result["one_sequence_32k_context_ms_per_token"]
         print(f"| one sequence, 32,000-token context | {long_ms:.2f} ms/token |")
     print(f"| 8 fresh 128-token prompts, first token | {1e3 * result['eight_fresh_128_token_prompts_ttft_s']:.0f} ms |")
+    if profile:
+        result["profile"] = profile_one_sequence(llm, rng)
+        profile_first_token(llm, [random_prompt(rng, 128) for _ in range(8)])
     llm_shutdown = getattr(llm, "shutdown", None)
     if llm_shutdown is not None:
         llm_shutdown()

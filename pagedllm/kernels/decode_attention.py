@@ -2,7 +2,8 @@
 
 The grid depends only on the (padded) batch size, num_kv_heads and num_splits, never on tensor values, and the
 launcher reads no tensor on the host, so a CUDA graph can capture it. Padding rows (seq_len 0) produce zeros.
-Any head_dim (padded to a power of two inside, masked); an fp8 cache is upcast tile by tile (prefill_attention.py).
+Any head_dim (padded to a power of two inside, masked); an fp8 cache is upcast tile by tile (prefill_attention.py),
+to the query's dtype, or to float16 with fp8_via_f16 (off by default; its docstring there says when that is exact).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     STORE_LSE: tl.constexpr,  # False when NUM_SPLITS == 1: partial_out is then the final output
     FP8: tl.constexpr,
+    FP8_VIA_F16: tl.constexpr,  # FP8 only: the query is rounded to float16 and both dots run in f16
 ):
     # Program (seq, kv_head, split) folds the split-th contiguous run of BLOCK_N-key tiles of the context.
     seq = tl.program_id(0)
@@ -68,6 +70,8 @@ def _decode_split_kernel(
     row_dim_valid = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
     q_offsets = seq.to(tl.int64) * stride_query_token + row_head[:, None] * stride_query_head + dims[None, :]
     q = tl.load(query_ptr + q_offsets, mask=row_dim_valid, other=0.0)
+    if FP8_VIA_F16:
+        q = q.to(tl.float16)
     row_pos = tl.zeros([ROWS], dtype=tl.int32) + (seq_len - 1)  # the query token is the last position
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -78,7 +82,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
             tile * BLOCK_N, row_pos, seq_len, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
-            BLOCK_SIZE, BLOCK_N, True, FP8,
+            BLOCK_SIZE, BLOCK_N, True, FP8, FP8_VIA_F16,
         )  # fmt: skip
 
     # An empty split (short or padding sequence) leaves l_i == 0: it writes zeros and lse -inf.
@@ -149,6 +153,7 @@ def decode_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
     v_scale: torch.Tensor | None = None,
+    fp8_via_f16: bool = False,  # fp8 cache only: both dots in float16 (prefill_attention.py's docstring)
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its whole paged context, split along the context."""
     num_seqs, num_heads, head_dim = query.shape
@@ -158,6 +163,10 @@ def decode_attention(
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
+    assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
+    # A float16 model's dots run in f16 anyway: take the path whose probabilities carry tile-relative value scales,
+    # since p * v_scale underflows f16 for small values (an unchanged conversion otherwise).
+    fp8_via_f16 = fp8_via_f16 or (fp8 and query.dtype == torch.float16)
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
@@ -176,7 +185,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N),
-        NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, FP8=fp8, FP8_VIA_F16=fp8_via_f16, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -4,6 +4,12 @@ Query row j of sequence i sits at position seq_lens[i] - query_len_i + j and see
 The step's new K/V must already be in the cache (store_kv_cache runs first). head_dim is tiled at the next power of
 two and the padding masked; an fp8 cache (float8 e4m3 values, power-of-two scales per position and KV head) is
 converted to the query's dtype tile by tile, and its scales multiply the scores and the probabilities.
+
+fp8_via_f16 (off by default) runs both dots of an fp8 cache in float16 whatever the model's dtype: sm_89+ converts
+e4m3 to f16 in one packed instruction per pair, while e4m3 to bf16 goes through f16 and a scalar conversion per value
+(Triton 3.6 on sm_90). The query is rounded to f16 (10 mantissa bits, more than bf16's 7; fine while |q| < 65504,
+which RMSNorm/RoPE activations are); the probabilities carry the values' scales relative to the tile's largest one,
+so they stay in [0, 1] and never underflow f16.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ def attend_kv_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False only when every key of the tile is visible to every row
     FP8: tl.constexpr,  # the cache holds float8 e4m3 with a power-of-two scale per (position, KV head)
+    FP8_VIA_F16: tl.constexpr,  # FP8 only: q arrives as float16, both dots run in f16 (module docstring)
 ):
     """One online-softmax step: fold the keys [tile_start, tile_start + BLOCK_N) into (m_i, l_i, acc)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
@@ -100,9 +107,17 @@ def attend_kv_tile(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    if FP8_VIA_F16:
+        # p * v_scale can fall below f16's normal range (2^-14); p * (v_scale / max v_scale) lies in [0, 1] and the
+        # largest scale multiplies the tile's sum instead. Both are powers of two: exact. max > 0: every tile holds
+        # a key below kv_end (masked keys read scale 0).
+        v_scale_max = tl.max(v_scale, 0)
+        p = p * (v_scale / v_scale_max)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale_max
+    else:
+        if FP8:
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
@@ -154,6 +169,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
     FP8: tl.constexpr,
+    FP8_VIA_F16: tl.constexpr,
 ):
     # Heaviest tiles first: the last query tiles of a sequence attend to the most keys (causal), so launching the
     # grid in reverse order lets the light tiles fill the tail of the last wave.
@@ -177,6 +193,8 @@ def _prefill_attention_kernel(
     token_index = (query_start + row_token).to(tl.int64)
     q_offsets = token_index[:, None] * stride_query_token + row_head[:, None] * stride_query_head + dims[None, :]
     q = tl.load(query_ptr + q_offsets, mask=row_dim_valid, other=0.0)
+    if FP8_VIA_F16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -191,13 +209,13 @@ def _prefill_attention_kernel(
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
             tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
-            BLOCK_SIZE, BLOCK_N, False, FP8,
+            BLOCK_SIZE, BLOCK_N, False, FP8, FP8_VIA_F16,
         )  # fmt: skip
     for tile_start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
             tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
-            BLOCK_SIZE, BLOCK_N, True, FP8,
+            BLOCK_SIZE, BLOCK_N, True, FP8, FP8_VIA_F16,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -220,6 +238,7 @@ def prefill_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
     v_scale: torch.Tensor | None = None,
+    fp8_via_f16: bool = False,  # fp8 cache only: both dots in float16 (module docstring)
 ) -> torch.Tensor:
     """Causal attention of the packed queries of any lengths over each sequence's paged context."""
     num_tokens, num_heads, head_dim = query.shape
@@ -230,6 +249,10 @@ def prefill_attention(
     assert block_m >= group, "a tile must hold at least one token's query heads"
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
+    assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
+    # A float16 model's dots run in f16 anyway: take the path whose probabilities carry tile-relative value scales,
+    # since p * v_scale underflows f16 for small values (an unchanged conversion otherwise).
+    fp8_via_f16 = fp8_via_f16 or (fp8 and query.dtype == torch.float16)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -244,6 +267,7 @@ def prefill_attention(
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N), TOKENS_PER_TILE=tokens_per_tile,
-        FP8=fp8, num_warps=num_warps or (8 if block_m >= 128 or dim_pad > 128 else 4), num_stages=num_stages,
+        FP8=fp8, FP8_VIA_F16=fp8_via_f16, num_warps=num_warps or (8 if block_m >= 128 or dim_pad > 128 else 4),
+        num_stages=num_stages,
     )  # fmt: skip
     return out

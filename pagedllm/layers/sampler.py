@@ -7,10 +7,13 @@ argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logi
 Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
 
 On CUDA the element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up.
+With PAGEDLLM_FUSED_SAMPLER=1, a CUDA batch that only races (no top-k, top-p or min-p, no seeded row) runs the race as
+one Triton kernel that makes its noise in registers (kernels/race_sampling.py) instead of writing it to memory.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,9 @@ from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_
 from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
+
+# The fused race: not yet measured on a GPU, so off by default. Read once, at import.
+FUSED_RACE = os.environ.get("PAGEDLLM_FUSED_SAMPLER", "0") == "1"
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
 # penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.
@@ -75,6 +81,10 @@ class Sampler:
                 self(torch.zeros(num_rows, self.penalties.vocab_size, device=self.device), batch)
                 for slot in slots:
                     self.release(slot)
+        if FUSED_RACE and self.device.type == "cuda":  # one Triton specialisation serves every batch size
+            temperatures = torch.tensor([0.8, 0.0], device=self.device)
+            logits = torch.zeros(len(temperatures), self.penalties.vocab_size, device=self.device)
+            fused_race(logits, temperatures, torch.Generator(device=self.device).manual_seed(0))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
@@ -115,6 +125,8 @@ def process_logits(
 def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     if params.all_greedy:
         return logits.argmax(dim=-1)
+    if FUSED_RACE and logits.is_cuda and is_plain_race(params):
+        return fused_race(logits, params.temperatures, params.default_generator)
     temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
     if params.top_ks is not None or params.top_ps is not None:
         sampled = sample_truncated(logits, temperatures, params)
@@ -127,6 +139,26 @@ def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
     if not params.any_greedy:
         return sampled
     return torch.where(params.temperatures > 0, sampled, logits.argmax(dim=-1))
+
+
+def is_plain_race(params: SamplingTensors) -> bool:
+    """Every row is greedy or races over the whole vocabulary with the engine's noise: no top-k, top-p or min-p, and
+    no seeded row (a seeded row's draw must not depend on the path it is sampled in)."""
+    return (
+        params.top_ks is None
+        and params.top_ps is None
+        and params.min_ps is None
+        and all(generator is None for generator in params.generators)
+    )
+
+
+def fused_race(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy rows (temperature 0) and the race in one kernel. Its seed is drawn on the device from `generator`,
+    so nothing waits for the host."""
+    from pagedllm.kernels.race_sampling import race_sample  # imports Triton: only where this path runs
+
+    seed = torch.randint(2**31 - 1, (1,), generator=generator, device=logits.device)
+    return race_sample(logits, temperatures, seed)
 
 
 @fuse_on_cuda

@@ -29,6 +29,7 @@ class Step:
     kv_cache_dtype: str = "auto"
     skip_slots: tuple[int, ...] = ()  # token rows whose slot_mapping is -1 (their K/V are already cached)
     kernel_args: dict = field(default_factory=dict)  # tile sizes / num_splits passed to the launcher
+    value_scale: float = 1.0  # multiplies every value row, cached and new: tiny values test float16 underflow
     through_backend: bool = False  # call TritonAttentionBackend.forward instead of the kernels
 
     @property
@@ -90,9 +91,11 @@ def make_batch(step: Step, generator: torch.Generator, device: str = "cpu", pois
         k_scale, v_scale = (torch.full(scale_shape, fill, dtype=SCALE_DTYPE, device=device) for _ in range(2))
     cached_slots = slots[cached].to(device)
     context = [random(len(cached_slots), *shape[2:]) for _ in range(2)]
+    context[1] *= step.value_scale
     reference_store(*context, k_cache, v_cache, cached_slots, k_scale, v_scale)
 
     qkv = random(num_tokens, step.num_heads + 2 * step.num_kv_heads, step.head_dim)
+    qkv[:, step.num_heads + step.num_kv_heads :] *= step.value_scale
     query, key, value = qkv.split([step.num_heads, step.num_kv_heads, step.num_kv_heads], dim=1)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),

@@ -3,7 +3,8 @@
 Every GQA group 1..8, head_dim 64/80/96/128, block sizes 16..256, bf16 and fp16, 16-bit and fp8 caches, spread
 so that each value meets several of the others. Each combination checks store + prefill on a step mixing fresh
 prefill, a prefix hit, a chunk, a decode row, a 1-token prompt and a skipped slot, and store + decode of 24
-sequences (3 padding rows) at the default number of splits and at 1. Timings: benchmarks/kernels.py.
+sequences (3 padding rows) at the default number of splits and at 1; with an fp8 cache also both with fp8_via_f16.
+Timings: benchmarks/kernels.py.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def steps(group: int, head_dim: int, block_size: int, dtype: str, kv_cache_dtype
     for num_splits in (None, 1):  # None: as many as fill the GPU (11 on an H200 for 24 x 2 KV heads)
         args = {} if num_splits is None else {"num_splits": num_splits}
         result[f"decode splits={num_splits}"] = Step((1,) * 24, tuple(decode_lens.tolist()), kernel_args=args, **shape)
+    if kv_cache_dtype == "fp8":  # both dots in float16 (off by default): compiled, not only interpreted
+        f16 = {"fp8_via_f16": True}
+        result["prefill fp8_via_f16"] = Step((300, 57, 1), (300, 400, 129), kernel_args=f16, **shape)
+        result["decode fp8_via_f16"] = Step((1,) * 24, tuple(decode_lens.tolist()), kernel_args=f16, **shape)
     return result
 
 

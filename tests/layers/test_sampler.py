@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import Sampler, SamplingTensors, truncation_mask
+from pagedllm.layers.sampler import Sampler, SamplingTensors, is_plain_race, truncation_mask
 from pagedllm.layers.sampling_batch import build_sampling_batch
 
 
@@ -48,6 +48,21 @@ def test_truncation_mask_keeps_top_k_and_the_renormalised_nucleus():
     # (0.44, 0.33, 0.22), where 0.44 + 0.33 already reach 0.72.
     expected = [[True, True, False, False], [True, True, True, False], [True, True, False, False]]
     assert keep.tolist() == expected
+
+
+def test_only_greedy_and_unseeded_untruncated_rows_are_a_plain_race():
+    """The fused race kernel (PAGEDLLM_FUSED_SAMPLER=1, on CUDA) takes a batch only when no row truncates the
+    distribution and none draws from its own seed; penalties, logit_bias and logprobs come before, so they may."""
+
+    def plain(*params: SamplingParams) -> bool:
+        batch = build_sampling_batch(params, range(len(params)), [0] * len(params))
+        return is_plain_race(batch.to_device(torch.device("cpu"), lambda slot: torch.Generator(), None))
+
+    race, greedy = SamplingParams(temperature=0.6), SamplingParams(temperature=0)
+    assert plain(race, greedy, SamplingParams(temperature=0, seed=3))  # a greedy row's seed draws nothing
+    assert plain(race, SamplingParams(repetition_penalty=1.2, logit_bias={3: 1.0}, min_tokens=2, logprobs=2))
+    for other in [{"seed": 1}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}]:
+        assert not plain(race, SamplingParams(temperature=0.6, **other)), other
 
 
 def test_samples_follow_the_softmax_distribution():
