@@ -186,8 +186,24 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
     return RunResult(total_s, timer.prefill_s, timer.decode_s, output_tokens)
 
 
-def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> None:
-    """Print where a full-batch decode step spends GPU and host time (torch.profiler), for tuning."""
+def device_time_per_step(profiler, num_steps: int) -> dict:
+    """Kernel time per step read from a torch.profiler run (kernels inside CUDA graphs included), and the part
+    spent in NCCL collectives: tensor parallelism's all-reduces (which include waiting for the slowest rank)."""
+    from torch.autograd import DeviceType
+
+    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    collectives = [event for event in kernels if "nccl" in event.name.lower()]
+    return {
+        "kernels_per_step": len(kernels) / num_steps,
+        "kernel_ms_per_step": sum(event.time_range.elapsed_us() for event in kernels) / num_steps / 1e3,
+        "all_reduce_ms_per_step": sum(event.time_range.elapsed_us() for event in collectives) / num_steps / 1e3,
+        "all_reduces_per_step": len(collectives) / num_steps,
+    }
+
+
+def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
+    """Print where a full-batch decode step spends GPU and host time (torch.profiler), for tuning; return the
+    step time and the kernel and all-reduce time per step (rank 0's)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm import SamplingParams
@@ -206,11 +222,16 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> None:
         for _ in range(num_steps):
             engine.step()
     elapsed = (time.perf_counter() - start) / num_steps
-    print(f"\nprofiled decode steps: {elapsed * 1e3:.2f} ms/step (batch {len(engine.scheduler.running)})")
+    result = {"batch": len(engine.scheduler.running), "ms_per_step": elapsed * 1e3}
+    result |= device_time_per_step(profiler, num_steps)
+    print(f"\nprofiled decode steps: {elapsed * 1e3:.2f} ms/step (batch {result['batch']}), kernels "
+          f"{result['kernel_ms_per_step']:.3f} ms/step, of which all-reduce {result['all_reduce_ms_per_step']:.3f} ms "
+          f"({result['all_reduces_per_step']:.0f} collectives)")  # fmt: skip
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     while engine.has_unfinished_requests():
         engine.step()
+    return result
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -233,8 +254,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     if args.plot and tracer is None:
         tracer = llm.llm_engine.start_trace(None)  # in memory, for the plot
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
-    if args.profile:
-        profile_decode(llm, prompts)
+    profile = profile_decode(llm, prompts) if args.profile else None
     runs, windows = [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -266,6 +286,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "roofline": asdict(bound) | {"total_s": bound.total_s},
         "percent_of_roofline": 100 * bound.total_s / median.total_s,
     }
+    if profile is not None:
+        result["profile"] = profile
     print_table(result)
     return result
 

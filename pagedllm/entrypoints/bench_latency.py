@@ -53,7 +53,6 @@ def time_to_first_token(llm: LLM, prompts: list[dict]) -> float:
 def profile_one_sequence(llm: LLM, rng: random.Random, num_steps: int = 20) -> dict:
     """Where one sequence's decode step goes: a torch.profiler table of num_steps decode steps, and the device
     kernels launched per step (inside the CUDA graph too)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
@@ -71,14 +70,16 @@ def profile_one_sequence(llm: LLM, rng: random.Random, num_steps: int = 20) -> d
     engine.abort_request("profile")
     while engine.has_unfinished_requests():
         engine.step()
-    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    from pagedllm.entrypoints.bench import device_time_per_step
+
+    result = {"profiled_ms_per_step": 1e3 * elapsed / num_steps} | device_time_per_step(profiler, num_steps)
     print(
-        f"\nprofiled one-sequence decode: {1e3 * elapsed / num_steps:.2f} ms/step under the profiler, "
-        f"{len(kernels) / num_steps:.0f} device kernels per step, "
-        f"{sum(event.time_range.elapsed_us() for event in kernels) / num_steps / 1e3:.3f} ms of kernel time per step"
+        f"\nprofiled one-sequence decode: {result['profiled_ms_per_step']:.2f} ms/step under the profiler, "
+        f"{result['kernels_per_step']:.0f} device kernels per step, {result['kernel_ms_per_step']:.3f} ms of kernel "
+        f"time per step, of which all-reduce {result['all_reduce_ms_per_step']:.3f} ms"
     )
     print(profiler.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
-    return {"profiled_ms_per_step": 1e3 * elapsed / num_steps, "kernels_per_step": len(kernels) / num_steps}
+    return result
 
 
 def profile_first_token(llm: LLM, prompts: list[dict]) -> None:
