@@ -42,8 +42,13 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], log_dir: Path) -> 
             print(f"exit {process.returncode}: see {log.name}", flush=True)
 
 
-def read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
+def read_pair(out: Path, stem: str) -> tuple[dict, dict] | None:
+    """The TP=1 and TP=2 results of one run kind, or None (and a table row saying so) if either is missing."""
+    paths = [out / f"{stem}_tp{tp}.json" for tp in (1, 2)]
+    if not all(path.exists() for path in paths):
+        print(f"| {stem} | missing run |")
+        return None
+    return tuple(json.loads(path.read_text()) for path in paths)
 
 
 def print_table(shapes: list[str], out: Path) -> None:
@@ -51,10 +56,9 @@ def print_table(shapes: list[str], out: Path) -> None:
           " decode step at batch 256, TP=2 | of which all-reduce |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for shape in shapes:
-        one, two = read(out / f"{shape}_tp1.json"), read(out / f"{shape}_tp2.json")
-        if one is None or two is None:
-            print(f"| {shape} | missing run |")
+        if (pair := read_pair(out, shape)) is None:
             continue
+        one, two = pair
         rates = [[run["tokens_per_s"] for run in result["runs"]] for result in (one, two)]
         medians = [result["median"]["tokens_per_s"] for result in (one, two)]
         profile = two.get("profile", {})
@@ -67,11 +71,9 @@ def print_table(shapes: list[str], out: Path) -> None:
           " all-reduce per one-sequence step, TP=2 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for shape in shapes:
-        one, two = read(out / f"{shape}_latency_tp1.json"), read(out / f"{shape}_latency_tp2.json")
-        if one is None or two is None:
-            print(f"| {shape} | missing run |")
+        if (pair := read_pair(out, f"{shape}_latency")) is None:
             continue
-        one, two = one["latency"], two["latency"]
+        one, two = (result["latency"] for result in pair)
         short = [result["one_sequence_512_in_512_out_ms_per_token"] for result in (one, two)]
         long = [result.get("one_sequence_32k_context_ms_per_token", float("nan")) for result in (one, two)]
         all_reduce = two.get("profile", {}).get("all_reduce_ms_per_step", float("nan"))
