@@ -77,6 +77,8 @@ def check_token_ids(token_ids: object, vocab_size: int) -> list[int]:
         )
     if not token_ids:
         raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    if all(type(token_id) is int for token_id in token_ids) and min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return list(token_ids)  # the common case in one pass (bool is not exactly int); otherwise say what is wrong
     for index, token_id in enumerate(token_ids):
         if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
             hint = "; for several prompts pass a list of prompt dicts" if isinstance(token_id, list | tuple) else ""
