@@ -5,6 +5,7 @@ This is the only place where scheduler objects become device inputs.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from itertools import chain
 
@@ -33,10 +34,12 @@ class PlannedStep:
     prompt_logprob_spans: list[PromptLogprobSpan]  # in the order of plan.prompt_logprob_rows
 
 
-def block_table_array(block_tables: list[list[int]], width: int) -> np.ndarray:
+def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
+    """The int32 block tables as rows of one [len(block_tables), width] array, zero-padded: their bytes are joined
+    once and scattered under a mask (a row at a time costs ~4x more at 256 sequences)."""
+    lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
     table = np.zeros((len(block_tables), width), dtype=np.int32)
-    for row, blocks in enumerate(block_tables):
-        table[row, : len(blocks)] = blocks
+    table[np.arange(width) < lengths[:, None]] = np.frombuffer(b"".join(block_tables), dtype=np.int32)
     return table
 
 

@@ -78,7 +78,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
-        seq.block_table = list(block_ids)
+        seq.block_table = array("i", block_ids)
         seq.num_hashed_blocks = len(block_ids)
         seq.num_computed_tokens = len(block_ids) * self.block_size
 
@@ -118,7 +118,7 @@ class BlockManager:
         assert not child.block_table, "a sequence forks only when it holds no blocks"
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
+        child.block_table = array("i", parent.block_table)
         child.num_hashed_blocks = parent.num_hashed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -154,7 +154,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
                 if block.hash is None:  # nothing to reuse: hand it out before any cached block
                     self.free_block_ids.move_to_end(block_id, last=False)
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
@@ -31,7 +32,8 @@ class Sequence:
     # Invariant: num_computed_tokens <= num_tokens; tokens below it have their K/V in the cache.
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
-    block_table: list[int] = field(default_factory=list)
+    # The KV block ids, as int32 (an array, not a list: the plan builder takes every row's bytes in one join).
+    block_table: array = field(default_factory=lambda: array("i"))
     num_hashed_blocks: int = 0  # block_table[:num_hashed_blocks] are full, computed and in the prefix cache's index
     # >= 0 while the last token is a PLACEHOLDER: its row among the samples of the step in flight.
     pending_sample_index: int = -1
