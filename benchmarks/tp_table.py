@@ -2,8 +2,9 @@
 
     python benchmarks/tp_table.py --shapes tinyllama-1.1b llama3.2-1b --output-dir $OUT
 
-Needs two GPUs. The TP=1 runs of two shapes go side by side, one on each GPU (each a process of its own, so
-each has a GPU to itself); the TP=2 runs then go one after another over both. Every TP=2 throughput run also
+Needs two GPUs. Every run has the host to itself, one after another (with --side-by-side the TP=1 runs of the two
+shapes share it, one GPU each: faster, but in session 4 TinyLlama's TP=1 median was then 32,155 tok/s against
+35,086-43,325 alone in earlier sessions, so host contention may lower TP=1). Every TP=2 throughput run also
 profiles 20 full-batch decode steps, and the TP=2 latency runs one sequence's decode steps, for the time inside
 NCCL's all-reduce kernels per step (rank 0's, waiting for the other rank included).
 """
@@ -88,18 +89,23 @@ def main() -> None:
     parser.add_argument("--shapes", nargs=2, default=["tinyllama-1.1b", "llama3.2-1b"], help="two shapes")
     parser.add_argument("--output-dir", default="tp-results")
     parser.add_argument("--table-only", action="store_true", help="print the table of an earlier run")
+    parser.add_argument("--side-by-side", action="store_true", help="the two TP=1 runs at once, one GPU each")
     args = parser.parse_args()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
-        # TP=1: the two shapes side by side, one GPU each; throughput, then latency
+        # TP=1 on one GPU each: throughput, then latency
         for latency in (False, True):
             suffix = "_latency" if latency else ""
             one_gpu_each = [
                 (bench_command(shape, 1, latency, out / f"{shape}{suffix}_tp1.json"), {"CUDA_VISIBLE_DEVICES": str(i)})
                 for i, shape in enumerate(args.shapes)
             ]  # fmt: skip
-            run_all(one_gpu_each, out)
+            if args.side_by_side:
+                run_all(one_gpu_each, out)
+            else:
+                for run in one_gpu_each:
+                    run_all([run], out)
         # TP=2: one run at a time over both GPUs
         for latency in (False, True):
             suffix = "_latency" if latency else ""
