@@ -6,8 +6,6 @@ No GPU needed: Triton lowers to PTX in process and its bundled ptxas assembles f
 
     python benchmarks/compile_report.py                # bf16 default + the fp8 sweep's grid (kernels.py --fp8-sweep)
     python benchmarks/compile_report.py --default-only # bf16, fp8 and fp8_via_f16 at the default config
-    python benchmarks/compile_report.py --v-transposed # + the experimental cache layouts (experiments/
-                                                       #   decode_v_transposed.py) over a small grid
 
 The shape is the sweep's: Qwen3-0.6B heads (16 q / 8 KV, head_dim 128), block size 16, bf16 queries, one split
 (256 sequences fill the GPU), integer arguments divisible by 16 as Triton specialises them there. The numbers are
@@ -46,33 +44,11 @@ KINDS = {  # opcode (before the first dot) -> kind; the rest is "other"
 }
 
 
-# Kernel variants: "decode" is the engine's; the others are experiments/decode_v_transposed.py's kernel with its
-# layout flags (the transposed layouts are [num_blocks, num_kv_heads, head_dim, block_size]). With --v-transposed the
-# first five run over LAYOUT_GRID (those with FP8_PV or SWAP_AB with fp8_via_f16 only), the rest at the default.
-FLAGS = dict(K_TRANSPOSED=False, V_TRANSPOSED=False, PEEL_LAST_TILE=True, FP8_PV=False, SWAP_AB=False)
-VARIANTS = {
-    "decode": {},
-    "peeled": dict(K_TRANSPOSED=False, V_TRANSPOSED=False, PEEL_LAST_TILE=True),  # engine layout, last tile apart
-    "v_t": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=True),
-    "swap_ab": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=True, SWAP_AB=True),
-    "swap_ab_fp8_pv": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=True, SWAP_AB=True, FP8_PV=True),
-    "v_t_unpeeled": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=False),  # per-key masks everywhere
-    "kv_t": dict(K_TRANSPOSED=True, V_TRANSPOSED=True, PEEL_LAST_TILE=True),
-    "v_t_fp8_pv": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=True, FP8_PV=True),
-    "v_t_fp8_pv_rows64": dict(K_TRANSPOSED=False, V_TRANSPOSED=True, PEEL_LAST_TILE=True, FP8_PV=True, ROWS=64),
-}
-GRID_VARIANTS = ("decode", "peeled", "v_t", "swap_ab", "swap_ab_fp8_pv")
-LAYOUT_GRID = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(1, 2, 3), fp8_via_f16=(False, True))
-
-
-def decode_source(fp8: bool, block_n: int, fp8_via_f16: bool, variant: str = "decode"):
+def decode_source(fp8: bool, block_n: int, fp8_via_f16: bool):
     """The split kernel's source with the signature and constants the launcher gives it for SHAPE."""
     from triton.compiler import ASTSource
 
-    if variant == "decode":
-        kernel = importlib.import_module("pagedllm.kernels.decode_attention")._decode_split_kernel
-    else:
-        kernel = importlib.import_module("experiments.decode_v_transposed")._decode_split_kernel_vt
+    kernel = importlib.import_module("pagedllm.kernels.decode_attention")._decode_split_kernel
     cache = "fp8e4nv" if fp8 else "bf16"
     # With one split the launcher passes the output (bf16) as partial_out and partial_lse; without fp8 the caches
     # stand in for the scales.
@@ -80,8 +56,6 @@ def decode_source(fp8: bool, block_n: int, fp8_via_f16: bool, variant: str = "de
                     v_scale_ptr="fp32" if fp8 else cache, partial_out_ptr="bf16", partial_lse_ptr="bf16",
                     seq_lens_ptr="i32", block_tables_ptr="i32")  # fmt: skip
     constants = dict(SHAPE, BLOCK_N=block_n, FP8=fp8, FP8_VIA_F16=fp8_via_f16)
-    if variant != "decode":  # every flag given: one left out would become an integer argument
-        constants.update(FLAGS, **VARIANTS[variant])
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -142,10 +116,10 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 def report(cache: str, config: dict) -> dict:
     """One row: the compiler's resources and loop instructions for cache "bf16" or "fp8" at config."""
     fp8_via_f16 = config.get("fp8_via_f16", False)
-    row = {"variant": "decode", "cache": cache, **DEFAULT, **config}
+    row = {"cache": cache, **DEFAULT, **config}
     start = time.perf_counter()
     try:
-        source = decode_source(cache == "fp8", row["block_n"], fp8_via_f16, row["variant"])
+        source = decode_source(cache == "fp8", row["block_n"], fp8_via_f16)
         compiled = compile_sm90(source, row["num_warps"], row["num_stages"])
     except Exception as error:  # out of shared memory, for one
         return {**row, "error": repr(error)[:200]}
@@ -172,39 +146,21 @@ def report(cache: str, config: dict) -> dict:
     return row
 
 
-COLUMNS = ("variant", "cache", "block_n", "num_warps", "num_stages", "fp8_via_f16", "registers", "spills",
+COLUMNS = ("cache", "block_n", "num_warps", "num_stages", "fp8_via_f16", "registers", "spills",
            "shared", "programs_per_sm", "loop", "per_64_keys", *KINDS, "LDS.U8", "other", "compile_s", "top",
            "error")  # fmt: skip
-
-
-def layout_configs() -> list[dict]:
-    """Every combination of LAYOUT_GRID, in fp8_sweep_configs' order."""
-    configs = [{}]
-    for key, values in reversed(LAYOUT_GRID.items()):
-        configs = [{key: value, **config} for value in values for config in configs]
-    return configs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--default-only", action="store_true", help="bf16, fp8, fp8_via_f16 at the default config")
-    parser.add_argument("--v-transposed", action="store_true",
-                        help="the engine's fp8 kernel and the experimental layouts over LAYOUT_GRID instead of the "
-                             "fp8 sweep (with --default-only: each variant at the default config only)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     import triton
 
     print(f"Triton {triton.__version__}, sm_90, decode kernel; loop = instructions per thread per K/V tile")
     rows = [("bf16", {})]
-    if args.v_transposed:
-        rows += [("bf16", {"variant": "v_t"})]
-        defaults = [{}, {"fp8_via_f16": True}]
-        for variant, flags in VARIANTS.items():
-            configs = layout_configs() if variant in GRID_VARIANTS and not args.default_only else defaults
-            configs = [c for c in configs if c.get("fp8_via_f16") or not ({"FP8_PV", "SWAP_AB"} & set(flags))]
-            rows += [("fp8", {"variant": variant, **config}) for config in configs]
-    elif args.default_only:
+    if args.default_only:
         rows += [("fp8", {}), ("fp8", {"fp8_via_f16": True})]
     else:
         rows += [("fp8", config) for config in fp8_sweep_configs()]

@@ -116,7 +116,5 @@ def run_latency(checkpoint: str, max_positions: int, profile: bool = False, **en
     if profile:
         result["profile"] = profile_one_sequence(llm, rng)
         profile_first_token(llm, [random_prompt(rng, 128) for _ in range(8)])
-    llm_shutdown = getattr(llm, "shutdown", None)
-    if llm_shutdown is not None:
-        llm_shutdown()
+    llm.shutdown()
     return result
