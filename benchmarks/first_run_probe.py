@@ -1,6 +1,5 @@
-"""Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) and
-the caching allocator's cudaMalloc calls that each bench run triggers after start-up, and time the runs.
-(CUDA_MODULE_LOADING=EAGER in the environment loads every kernel module at start-up: an A/B for lazy loading.)
+"""Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) that
+each bench run triggers after start-up, and time the runs.
 
 Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
 (TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
@@ -58,20 +57,17 @@ def snapshot() -> tuple[dict[str, set], int, int]:
     from torch._dynamo.utils import counters
 
     kernels = {name: specialisations(k) for name, k in triton_kernels().items()}
-    # cudaMalloc calls of torch's caching allocator so far: a phase that needs memory the pool lacks makes new ones
-    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
-    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments
+    return kernels, counters["stats"]["unique_graphs"], len(COMPILED)
 
 
 def report(label: str, before, after) -> None:
-    kernels_before, graphs_before, compiled_before, segments_before = before
-    kernels_after, graphs_after, compiled_after, segments_after = after
+    kernels_before, graphs_before, compiled_before = before
+    kernels_after, graphs_after, compiled_after = after
     new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
     total = sum(len(keys) for keys in new.values())
     print(
         f"{label}: {compiled_after - compiled_before} Triton JIT compilations (hook), {total} new cache entries in "
-        f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs, "
-        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator"
+        f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs"
     )
     for compiled in COMPILED[compiled_before:compiled_after]:
         print(f"    compiled {compiled[:300]}")
