@@ -109,10 +109,11 @@ def attend_kv_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_VIA_F16:
         # p * v_scale can fall below f16's normal range (2^-14); p * (v_scale / max v_scale) lies in [0, 1] and the
-        # largest scale multiplies the tile's sum instead. Both are powers of two: exact. max > 0: every tile holds
-        # a key below kv_end (masked keys read scale 0).
+        # largest scale multiplies the tile's sum instead. Both are powers of two: exact. A tile whose scales are all
+        # 0 (slots never written: masked keys read 0, and so would a table pointing at unused blocks) adds nothing,
+        # as on the other path, instead of 0 / 0.
         v_scale_max = tl.max(v_scale, 0)
-        p = p * (v_scale / v_scale_max)[None, :]
+        p = p * (v_scale / tl.where(v_scale_max > 0.0, v_scale_max, 1.0))[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale_max
     else:
         if FP8:

@@ -101,6 +101,49 @@ def test_kernels_match_torch_reference(results: dict, name: str) -> None:
     assert record["rel_err"] < tolerance(STEPS[name]), record
 
 
+def test_fp8_tiles_of_unwritten_slots_add_nothing(results: dict) -> None:
+    """With fp8_via_f16 (and every float16 model), a tile whose value scales are all 0 used to give 0 / 0 = NaN."""
+    record = results["zero_scale_tiles"]
+    assert record["traceback"] is None, record["traceback"]
+    assert record["nan"] == [False, False], record
+    assert record["max_diff_to_bf16_dots_path"] < 1e-2, record
+
+
+def zero_scale_tiles() -> dict:
+    """Decode over a block table whose second row points at blocks never written (scales 0), both conversions."""
+    from pagedllm.kernels.decode_attention import decode_attention
+
+    generator = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 8, 16, 2, 64
+    query = torch.randn(2, 4, head_dim, generator=generator).to(torch.float16)
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+                        .to(torch.float8_e4m3fn) for _ in range(2))  # fmt: skip
+    scales = torch.ones(num_blocks, num_kv_heads, block_size)
+    scales[4:] = 0.0
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 40], dtype=torch.int32)
+    outputs = [
+        decode_attention(
+            query.float() if f32 else query,
+            k_cache,
+            v_cache,
+            seq_lens,
+            tables,
+            head_dim**-0.5,
+            k_scale=scales,
+            v_scale=scales,
+            block_n=16,
+            num_splits=1,
+        )  # fmt: skip
+        for f32 in (False, True)  # float16 query: the f16-dots path; float32: the scales multiply the probabilities
+    ]
+    return {
+        "nan": outputs[0].isnan().any(dim=(1, 2)).tolist(),
+        "max_diff_to_bf16_dots_path": (outputs[0].float() - outputs[1]).abs().max().item(),
+        "traceback": None,
+    }
+
+
 def main() -> None:
     """The child process: every step under the interpreter."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -111,6 +154,10 @@ def main() -> None:
             records[name] = {**check_step(step, generator), "traceback": None, "step": asdict(step)}
         except Exception:
             records[name] = {"traceback": traceback.format_exc(), "step": asdict(step)}
+    try:
+        records["zero_scale_tiles"] = zero_scale_tiles()
+    except Exception:
+        records["zero_scale_tiles"] = {"traceback": traceback.format_exc()}
     print(json.dumps(records))
 
 
