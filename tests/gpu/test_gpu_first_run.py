@@ -1,0 +1,80 @@
+"""Start-up compiles everything (run with `pytest -m gpu tests/gpu`): after `LLM()`, requests of new batch sizes and
+prompt lengths build no Triton kernel and no torch.compile graph, and a fresh engine's first run is as fast as its
+second."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pytest
+import torch
+import triton
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
+]
+
+SMALL = dict(num_kv_blocks=4096, max_num_seqs=64)  # several engines share the GPU within one test process
+
+
+class CompilationCounter:
+    """Counts Triton JIT compilations (Triton's post-compile hook) and new torch.compile graphs from its start."""
+
+    def __enter__(self) -> CompilationCounter:
+        from torch._dynamo.utils import counters
+
+        self.triton = []
+        self.previous_hook = triton.knobs.runtime.jit_post_compile_hook
+        triton.knobs.runtime.jit_post_compile_hook = lambda *, repr, **_: self.triton.append(repr)  # noqa: A006
+        self.graphs_before = counters["stats"]["unique_graphs"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._dynamo.utils import counters
+
+        triton.knobs.runtime.jit_post_compile_hook = self.previous_hook
+        self.graphs = counters["stats"]["unique_graphs"] - self.graphs_before
+
+
+def workload(seed: int, num_prompts: int, lengths: tuple[int, int]) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(2, 300) for _ in range(rng.randint(*lengths))]} for _ in range(num_prompts)
+    ]
+
+
+def run(llm: LLM, prompts: list[dict], max_tokens: int) -> float:
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def test_requests_after_start_up_compile_nothing(tiny_model_dirs):
+    """Batches of 1, 8, 16, 13 and 48 prompts (Triton specialises integers equal to 1 and divisible by 16), short and
+    long prompts, and chunked prefill: not one compilation after LLM() returned."""
+    llm = LLM(tiny_model_dirs["qwen3"], max_num_batched_tokens=512, **SMALL)
+    with CompilationCounter() as counted:
+        for seed, (num_prompts, lengths) in enumerate([(1, (5, 5)), (8, (20, 40)), (16, (3, 200)), (13, (300, 900)),
+                                                       (48, (1, 64))]):  # fmt: skip
+            run(llm, workload(seed, num_prompts, lengths), max_tokens=8)
+    assert counted.triton == [] and counted.graphs == 0, (counted.triton, counted.graphs)
+
+
+def test_a_fresh_engines_first_run_is_as_fast_as_its_second(tiny_model_dirs):
+    """The engine built second in the process (the first pays Triton's on-disk cache misses and the process's first
+    pass through the engine's Python): its first run of a workload within 5% of the median of its next three."""
+    prompts = workload(7, 128, (16, 512))
+    first_engine = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
+    run(first_engine, prompts[:4], max_tokens=4)
+    first_engine.shutdown()
+    llm = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
+    first = run(llm, prompts, max_tokens=96)
+    later = statistics.median(run(llm, prompts, max_tokens=96) for _ in range(3))
+    assert first <= 1.05 * later, f"first run {first:.3f} s, later runs' median {later:.3f} s"
