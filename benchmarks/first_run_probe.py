@@ -1,5 +1,6 @@
-"""Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) that
-each bench run triggers after start-up, and time the runs.
+"""Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) and
+the caching allocator's cudaMalloc calls that each bench run triggers after start-up, and time the runs.
+(CUDA_MODULE_LOADING=EAGER in the environment loads every kernel module at start-up: an A/B for lazy loading.)
 
 Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
 (TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
@@ -57,23 +58,51 @@ def snapshot() -> tuple[dict[str, set], int, int]:
     from torch._dynamo.utils import counters
 
     kernels = {name: specialisations(k) for name, k in triton_kernels().items()}
-    return kernels, counters["stats"]["unique_graphs"], len(COMPILED)
+    # cudaMalloc calls of torch's caching allocator so far: a phase that needs memory the pool lacks makes new ones
+    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments
 
 
 def report(label: str, before, after) -> None:
-    kernels_before, graphs_before, compiled_before = before
-    kernels_after, graphs_after, compiled_after = after
+    kernels_before, graphs_before, compiled_before, segments_before = before
+    kernels_after, graphs_after, compiled_after, segments_after = after
     new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
     total = sum(len(keys) for keys in new.values())
     print(
         f"{label}: {compiled_after - compiled_before} Triton JIT compilations (hook), {total} new cache entries in "
-        f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs"
+        f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs, "
+        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator"
     )
     for compiled in COMPILED[compiled_before:compiled_after]:
         print(f"    compiled {compiled[:300]}")
     for name, keys in new.items():
         for key in keys:
             print(f"    {name}: {str(key)[:300]}")
+
+
+class StepClock:
+    """Each step's host duration (from the previous step's tokens reaching the host to its own) and its size, so
+    that run 0's steps can be set against the same steps of a later run (the schedule is deterministic)."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, int, float]] = []  # (prefill tokens, sequences, seconds)
+        self.previous = time.perf_counter()  # made just before its run starts
+
+    def add(self, record) -> None:
+        self.steps.append((record.num_prefill_tokens, record.num_seqs, record.resolved_at - self.previous))
+        self.previous = record.resolved_at
+
+
+def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
+    """Where run 0 lost time: the steps it took longer than the later run, largest first."""
+    pairs = list(zip(first.steps, later.steps))
+    excess = [(a[2] - b[2], index, a, b) for index, (a, b) in enumerate(pairs)]
+    prefill = sum(e for e, _, a, _ in excess if a[0])
+    decode = sum(e for e, _, a, _ in excess if not a[0])
+    print(f"run 0 vs run 1, {len(pairs)} steps: prefill steps {1e3 * prefill:+.0f} ms, decode steps "
+          f"{1e3 * decode:+.0f} ms")  # fmt: skip
+    for _, index, a, b in sorted(excess, reverse=True)[:top]:
+        print(f"    step {index}: {a[0]} prefill tokens, {a[1]} seqs: {1e3 * a[2]:.1f} ms vs {1e3 * b[2]:.1f} ms")
 
 
 def main() -> None:
@@ -95,13 +124,19 @@ def main() -> None:
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
+    clocks = []
     for index in range(args.runs):
+        clocks.append(StepClock())
+        llm.llm_engine.add_step_listener(clocks[-1].add)
         result = timed_run(llm, prompts, output_lens)
+        llm.llm_engine.remove_step_listener(clocks[-1].add)
         print(
             f"run {index}: {result.tokens_per_s:,.0f} tok/s (prefill {result.prefill_s:.2f} s, "
             f"decode {result.decode_s:.2f} s)"
         )
         report(f"run {index}", before, before := snapshot())
+    if len(clocks) > 1:
+        compare_steps(clocks[0], clocks[1])
     # Fresh shapes after the runs, as a server sees them: batches of new prompts of sizes the runs never had.
     rng = random.Random(1)
     for num_prompts, length in ((1, 77), (8, 128), (16, 128), (13, 300)):
