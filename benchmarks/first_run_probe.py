@@ -1,6 +1,7 @@
 """Why is the first run slower? Count the compilations (Triton kernel specialisations and torch.compile graphs) and
 the caching allocator's cudaMalloc calls that each bench run triggers after start-up, and time the runs.
 (CUDA_MODULE_LOADING=EAGER in the environment loads every kernel module at start-up: an A/B for lazy loading.)
+It also times the garbage collector's pauses, and compares run 0's steps with run 1's.
 
 Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
 (TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
@@ -9,6 +10,7 @@ Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seq
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 from pathlib import Path
@@ -40,6 +42,21 @@ def specialisations(kernel) -> set:
     return {key for cache in caches.values() for key in cache[0]}
 
 
+GC_PAUSES: list[tuple[int, float]] = []  # (generation, seconds) of every garbage collection
+
+
+def time_collections() -> None:
+    started = {}
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["at"] = time.perf_counter()
+        else:
+            GC_PAUSES.append((info["generation"], time.perf_counter() - started["at"]))
+
+    gc.callbacks.append(callback)
+
+
 COMPILED: list[str] = []  # every Triton JIT compilation seen by the hook, in order
 
 
@@ -60,18 +77,21 @@ def snapshot() -> tuple[dict[str, set], int, int]:
     kernels = {name: specialisations(k) for name, k in triton_kernels().items()}
     # cudaMalloc calls of torch's caching allocator so far: a phase that needs memory the pool lacks makes new ones
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
-    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments
+    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments, len(GC_PAUSES)
 
 
 def report(label: str, before, after) -> None:
-    kernels_before, graphs_before, compiled_before, segments_before = before
-    kernels_after, graphs_after, compiled_after, segments_after = after
+    kernels_before, graphs_before, compiled_before, segments_before, pauses_before = before
+    kernels_after, graphs_after, compiled_after, segments_after, pauses_after = after
+    full = [seconds for generation, seconds in GC_PAUSES[pauses_before:pauses_after] if generation == 2]
+    young = [seconds for generation, seconds in GC_PAUSES[pauses_before:pauses_after] if generation < 2]
     new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
     total = sum(len(keys) for keys in new.values())
     print(
         f"{label}: {compiled_after - compiled_before} Triton JIT compilations (hook), {total} new cache entries in "
         f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs, "
-        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator"
+        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator; garbage collections: "
+        f"{len(full)} full ({1e3 * sum(full):.0f} ms), {len(young)} young ({1e3 * sum(young):.0f} ms)"
     )
     for compiled in COMPILED[compiled_before:compiled_after]:
         print(f"    compiled {compiled[:300]}")
@@ -85,11 +105,12 @@ class StepClock:
     that run 0's steps can be set against the same steps of a later run (the schedule is deterministic)."""
 
     def __init__(self):
-        self.steps: list[tuple[int, int, float]] = []  # (prefill tokens, sequences, seconds)
+        self.steps: list[tuple[int, int, float, float]] = []  # (prefill tokens, sequences, seconds, device ms)
         self.previous = time.perf_counter()  # made just before its run starts
 
     def add(self, record) -> None:
-        self.steps.append((record.num_prefill_tokens, record.num_seqs, record.resolved_at - self.previous))
+        device_ms = record.events.forward_ms() + record.events.sampling_ms() if record.events else float("nan")
+        self.steps.append((record.num_prefill_tokens, record.num_seqs, record.resolved_at - self.previous, device_ms))
         self.previous = record.resolved_at
 
 
@@ -99,10 +120,16 @@ def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
     excess = [(a[2] - b[2], index, a, b) for index, (a, b) in enumerate(pairs)]
     prefill = sum(e for e, _, a, _ in excess if a[0])
     decode = sum(e for e, _, a, _ in excess if not a[0])
-    print(f"run 0 vs run 1, {len(pairs)} steps: prefill steps {1e3 * prefill:+.0f} ms, decode steps "
-          f"{1e3 * decode:+.0f} ms")  # fmt: skip
+    device = [sum(step[3] for step in steps if step[0]) for steps in (first.steps, later.steps)]
+    print(
+        f"run 0 vs run 1, {len(pairs)} steps: prefill steps {1e3 * prefill:+.0f} ms, decode steps "
+        f"{1e3 * decode:+.0f} ms; device time of the prefill steps {device[0]:.0f} vs {device[1]:.0f} ms"
+    )
     for _, index, a, b in sorted(excess, reverse=True)[:top]:
-        print(f"    step {index}: {a[0]} prefill tokens, {a[1]} seqs: {1e3 * a[2]:.1f} ms vs {1e3 * b[2]:.1f} ms")
+        print(
+            f"    step {index}: {a[0]} prefill tokens, {a[1]} seqs: {1e3 * a[2]:.1f} ms vs {1e3 * b[2]:.1f} ms "
+            f"(device {a[3]:.1f} vs {b[3]:.1f} ms)"
+        )
 
 
 def main() -> None:
@@ -111,8 +138,10 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
+    parser.add_argument("--gc-unfreeze", action="store_true", help="undo the engine's gc.freeze() (an A/B)")
     args = parser.parse_args()
     install_compile_hook()
+    time_collections()
     checkpoint = Path(args.checkpoint_dir) / args.shape
     if not (checkpoint / "model.safetensors").exists():
         write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
@@ -121,13 +150,15 @@ def main() -> None:
     before = snapshot()
     llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True)
     print(f"start-up {time.perf_counter() - start:.1f} s")
+    if args.gc_unfreeze:
+        gc.unfreeze()
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
     clocks = []
     for index in range(args.runs):
         clocks.append(StepClock())
-        llm.llm_engine.add_step_listener(clocks[-1].add)
+        llm.llm_engine.add_step_listener(clocks[-1].add, device_timings=True)
         result = timed_run(llm, prompts, output_lens)
         llm.llm_engine.remove_step_listener(clocks[-1].add)
         print(

@@ -73,29 +73,34 @@ def available_cpu_memory() -> int:
     return 8 << 30
 
 
-def cuda_kv_budget(config: EngineConfig, device: torch.device, run_warmup: Callable[[], None]) -> int:
-    """total * gpu_memory_utilization - used - (peak - current), with peak taken over a warm-up at the largest batch."""
+def measure_warmup_peak(device: torch.device, run_warmup: Callable[[], None]) -> int:
+    """Run the warm-up and return the memory it needed beyond what stays allocated (its activations' peak); the
+    allocator's cache is emptied after it, so free memory can be read."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     run_warmup()
     torch.cuda.synchronize(device)
     stats = torch.cuda.memory_stats(device)
-    warmup_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
     torch.cuda.empty_cache()
+    return stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+
+
+def cuda_kv_budget(config: EngineConfig, device: torch.device, warmup_peak: int) -> int:
+    """total * gpu_memory_utilization - used - the warm-up's peak (measure_warmup_peak, at the largest batch)."""
     free, total = torch.cuda.mem_get_info(device)
-    return int(total * config.gpu_memory_utilization - (total - free) - warmup_extra)
+    return int(total * config.gpu_memory_utilization - (total - free) - warmup_peak)
 
 
 def choose_num_kv_blocks(
-    config: EngineConfig, block_bytes: int, max_model_len: int, device: torch.device, run_warmup: Callable[[], None]
+    config: EngineConfig, block_bytes: int, max_model_len: int, device: torch.device, warmup_peak: int = 0
 ) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":
-        budget = cuda_kv_budget(config, device, run_warmup)
+        budget = cuda_kv_budget(config, device, warmup_peak)
     else:
         # Enough for max_num_seqs full-length sequences, but never more than a share of free memory.
         full_batch = -(-max_model_len // config.block_size) * config.max_num_seqs * block_bytes

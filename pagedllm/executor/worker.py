@@ -13,7 +13,14 @@ import torch
 from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from pagedllm.executor.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import (
+    KVCache,
+    allocate_kv_cache,
+    bind_kv_cache,
+    choose_num_kv_blocks,
+    kv_block_bytes,
+    measure_warmup_peak,
+)
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
@@ -72,7 +79,10 @@ class Worker:
             self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
         block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size, config.kv_cache_dtype)
-        num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, self.warmup)
+        # On CUDA the warm-up always runs, whatever sizes the cache: it compiles and loads what the largest prefill and
+        # decode steps use, so that no user request pays for it.
+        warmup_peak = measure_warmup_peak(device, self.warmup) if device.type == "cuda" else 0
+        num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, warmup_peak)
         # Every rank holds the same block ids, so the rank with the least room sets the number.
         self.num_kv_blocks = tp.min_over_ranks(num_kv_blocks)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)

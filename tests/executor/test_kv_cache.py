@@ -32,9 +32,7 @@ def test_block_bytes_count_every_allocated_byte(kv_cache_dtype):
 def test_fp8_holds_about_twice_the_tokens_of_bf16_in_the_same_bytes():
     config = EngineConfig(kv_cache_memory_bytes=64 << 20)
     blocks = {
-        name: choose_num_kv_blocks(
-            config, kv_block_bytes(SPEC, 16, torch.bfloat16, 1, name), 4096, torch.device("cpu"), None
-        )
+        name: choose_num_kv_blocks(config, kv_block_bytes(SPEC, 16, torch.bfloat16, 1, name), 4096, torch.device("cpu"))
         for name in ("auto", "fp8")
     }
     assert blocks["fp8"] / blocks["auto"] == pytest.approx(2 * 128 / (128 + 4), rel=0.01)  # 4-byte scale per head
