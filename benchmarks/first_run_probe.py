@@ -138,7 +138,6 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
-    parser.add_argument("--gc-unfreeze", action="store_true", help="undo the engine's gc.freeze() (an A/B)")
     args = parser.parse_args()
     install_compile_hook()
     time_collections()
@@ -150,8 +149,6 @@ def main() -> None:
     before = snapshot()
     llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True)
     print(f"start-up {time.perf_counter() - start:.1f} s")
-    if args.gc_unfreeze:
-        gc.unfreeze()
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
