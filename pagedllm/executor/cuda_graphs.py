@@ -69,6 +69,8 @@ class DecodeGraphs:
                 self.hidden[:batch_size] = self.forward(batch_size)
             pool = graph.pool()
             self.graphs[batch_size] = graph
+        for graph in self.graphs.values():
+            graph.replay()  # a graph's first launch uploads it to the device: here, not in some request's step
         torch.cuda.synchronize()
 
     def replay(self, batch_size: int) -> torch.Tensor:
