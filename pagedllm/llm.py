@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import weakref
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
@@ -33,9 +32,6 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **kwargs):
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.request_counter = itertools.count()  # generate()'s request ids
-        # Dropped without shutdown(): the engine's objects were frozen at start-up, out of the collector's reach,
-        # so the engine is shut down (and they are unfrozen) when this object goes.
-        weakref.finalize(self, self.llm_engine.shutdown).atexit = False
 
     def shutdown(self) -> None:
         """End the engine's other processes and free its memory; the LLM runs nothing afterwards. Idempotent."""

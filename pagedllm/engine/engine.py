@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import os
 from collections.abc import Callable
@@ -98,11 +97,6 @@ class LLMEngine:
         self.tracer: Tracer | None = None
         if config.trace_file is not None:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
-        # What start-up built (the model, the libraries' objects: ~300k) lives as long as the engine. Frozen, it is
-        # out of the collector's view, so the full collections that requests' garbage triggers stay short instead of
-        # walking it all again (~150 ms each on a CPU core, paid inside some user's step).
-        gc.collect()
-        gc.freeze()
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
         """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock
@@ -213,7 +207,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
         self.worker.shutdown()
-        gc.unfreeze()  # what start-up froze, this engine's own reference cycles among it, can be collected again
 
     def has_unfinished_requests(self) -> bool:
         return self.pipeline.has_work()

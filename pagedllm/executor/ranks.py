@@ -5,7 +5,6 @@ rank 0: they receive each step's plan and run it on their shard until rank 0 shu
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -98,8 +97,6 @@ def join_group(rank: int, size: int, device: torch.device, store: dist.Store | N
 def serve_plans(worker: Worker) -> None:
     """The life of every rank but 0 once its worker is loaded: run each plan rank 0 sends, until the shutdown."""
     gather_weight_bytes(worker)
-    gc.collect()
-    gc.freeze()  # as LLMEngine does after start-up: full collections then skip what start-up built
     while (plan := receive_plan(worker.tp.host_group)) is not None:
         worker.execute(plan)
     worker.shutdown()
