@@ -224,13 +224,19 @@ class LLMEngine:
             start = computed.first_position + 1
             request.prompt_logprobs[start : start + len(computed.positions)] = computed.positions
         progressed: dict[str, Request] = {}
+        # Requests a sample of which ended with its token of this step: only these can have finished (a request's
+        # other samples ended before; an aborted request is gone from self.requests).
+        ended: set[str] = set()
         for token in result.tokens:
-            request = self.requests[token.seq.request_id]
-            self.take_token(request.samples[token.seq.sample_index], token)
-            progressed[token.seq.request_id] = request
+            seq = token.seq
+            request = self.requests[seq.request_id]
+            self.take_token(request.samples[seq.sample_index], token)
+            progressed[seq.request_id] = request
+            if seq.is_finished:
+                ended.add(seq.request_id)
         outputs = []
         for request_id, request in progressed.items():
-            finished = request.finished
+            finished = request_id in ended and request.finished
             if request.stream or finished:
                 outputs.append(self.make_output(request_id, request))
             if finished:

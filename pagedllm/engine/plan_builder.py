@@ -45,12 +45,16 @@ def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
 
 def step_sampling(batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan]) -> StepSampling:
     params = [seq.sampling_params for seq in owners]
-    # Every sequence of one engine has the engine's EOS ids (min_tokens bans them).
-    eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
     slots = [seq.slot for seq in owners]
+    # Only rows with min_tokens read their output count and the EOS ids (every sequence of one engine has the
+    # engine's EOS ids, which min_tokens bans).
+    num_output_tokens, eos_token_ids = None, frozenset()
+    if any([p.min_tokens for p in params]):
+        num_output_tokens = [seq.num_output_tokens for seq in owners]
+        eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
     targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
     return StepSampling(
-        batch=build_sampling_batch(params, slots, [seq.num_output_tokens for seq in owners], eos_token_ids),
+        batch=build_sampling_batch(params, slots, num_output_tokens, eos_token_ids),
         row_slots=np.array(slots, dtype=np.int64),
         released_slots=batch.released_slots,
         new_requests=[

@@ -172,14 +172,19 @@ class StepPipeline:
         meanwhile: first the prompt logprobs, then each token to its owner."""
         launched.record.resolve_started_at = time.perf_counter()
         result = StepResult(launched.record, prompt_logprobs=self.prompt_logprobs(launched))
-        token_ids = launched.output.token_ids()
-        live = [row for row, seq in enumerate(launched.owners) if not seq.is_finished]
-        self.scheduler.append_tokens([launched.owners[row] for row in live], [token_ids[row] for row in live])
+        owners, token_ids = launched.owners, launched.output.token_ids()
+        live = [row for row, seq in enumerate(owners) if not seq.is_finished]
+        seqs, live_token_ids = owners, token_ids  # the common case: every owner still runs
+        if len(live) < len(owners):
+            seqs, live_token_ids = [owners[row] for row in live], [token_ids[row] for row in live]
+        self.scheduler.append_tokens(seqs, live_token_ids)
         logprobs = {}
         if launched.sampling.batch.logprob_rows is not None:
             tensors = launched.output.logprobs()
             logprobs = sampled_position_logprobs(launched.sampling.batch, tensors, token_ids, self.decode)
-        result.tokens = [NewToken(launched.owners[row], token_ids[row], logprobs.get(row)) for row in live]
+        result.tokens = [
+            NewToken(seq, token_id, logprobs.get(row)) for row, seq, token_id in zip(live, seqs, live_token_ids)
+        ]
         launched.record.num_generated = len(live)
         launched.record.resolved_at = time.perf_counter()
         return result

@@ -132,9 +132,9 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks that became full of computed tokens, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
-            return
         num_full_blocks = seq.num_computed_tokens // self.block_size
+        if num_full_blocks <= seq.num_hashed_blocks or not self.enable_prefix_caching:
+            return  # most steps: no block became full
         for index in range(seq.num_hashed_blocks, num_full_blocks):
             previous_hash = self.blocks[seq.block_table[index - 1]].hash if index else None
             token_ids = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])

@@ -50,6 +50,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a request's first sample; its other samples ride along in seq.forks."""
         assert 1 + len(seq.forks) <= self.max_num_seqs, "a request needs a slot for each of its samples"
+        for sample in (seq, *seq.forks):
+            max_tokens = sample.sampling_params.max_tokens
+            longest = self.max_model_len if max_tokens is None else sample.num_prompt_tokens + max_tokens
+            sample.max_num_tokens = min(longest, self.max_model_len)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -59,10 +63,7 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
         preempted = False
-        # A sequence whose pending token already ends it (length) waits for that token instead of running on.
-        active = [seq for seq in self.running if not (seq.pending_sample_index >= 0 and self._length_exhausted(seq))]
-        decodes = [seq for seq in active if seq.num_uncomputed_tokens == 1]
-        chunks = [seq for seq in active if seq.num_uncomputed_tokens > 1]
+        decodes, chunks = self._runnable()
         for seq in decodes + chunks:
             if budget == 0:
                 break
@@ -87,6 +88,20 @@ class Scheduler:
         if not batch.is_empty():  # an empty batch reaches no device: keep the releases for the next one
             batch.released_slots, self.released_slots = self.released_slots, []
         return batch
+
+    def _runnable(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Running sequences with tokens to compute, in admission order: decodes (one token), prefill chunks (more).
+        A sequence whose pending token already ends it (length) waits for that token instead of running on."""
+        decodes, chunks = [], []
+        for seq in self.running:
+            if seq.pending_sample_index >= 0 and self._length_exhausted(seq):
+                continue
+            num_uncomputed = seq.num_uncomputed_tokens
+            if num_uncomputed == 1:
+                decodes.append(seq)
+            elif num_uncomputed > 1:
+                chunks.append(seq)
+        return decodes, chunks
 
     def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, new_slot_holders: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -173,17 +188,17 @@ class Scheduler:
         """True when the next step needs no preemption: every running sequence can get the blocks for its
         largest possible share of the budget, and a copy of a shared block it writes into.
         (A preempted sequence must not hold a placeholder.)"""
+        block_manager, budget = self.block_manager, self.max_num_batched_tokens
         needed = 0
         for seq in self.running:
-            num_new_tokens = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
-            total = seq.num_computed_tokens + num_new_tokens
-            needed += self.block_manager.blocks_for_tokens(total) - len(seq.block_table)
-            needed += self.block_manager.shared_partial_block(seq) is not None
-        return needed <= self.block_manager.num_free_blocks
+            total = seq.num_computed_tokens + min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            needed += block_manager.blocks_for_tokens(total) - len(seq.block_table)
+            needed += block_manager.shared_partial_block(seq) is not None
+        return needed <= block_manager.num_free_blocks
 
-    def _length_exhausted(self, seq: Sequence) -> bool:
-        max_tokens = seq.sampling_params.max_tokens
-        return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
+    @staticmethod
+    def _length_exhausted(seq: Sequence) -> bool:
+        return len(seq.token_ids) >= seq.max_num_tokens
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         """vLLM's order: EOS (stop_reason None), then stop_token_ids (stop_reason the id), then length; EOS and stop

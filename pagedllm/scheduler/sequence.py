@@ -41,6 +41,9 @@ class Sequence:
     # 0..max_num_seqs-1, or -1 while it holds none.
     slot: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
+    # The length at which it ends (max_tokens output tokens or max_model_len), set by Scheduler.add: both are fixed
+    # for its lifetime (the engine's own copy of the SamplingParams is never changed after add_request).
+    max_num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
