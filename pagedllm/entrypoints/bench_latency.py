@@ -14,6 +14,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.bench import device_time_per_step
 
 LONG_CONTEXT = 32_000
 
@@ -70,8 +71,6 @@ def profile_one_sequence(llm: LLM, rng: random.Random, num_steps: int = 20) -> d
     engine.abort_request("profile")
     while engine.has_unfinished_requests():
         engine.step()
-    from pagedllm.entrypoints.bench import device_time_per_step
-
     result = {"profiled_ms_per_step": 1e3 * elapsed / num_steps} | device_time_per_step(profiler, num_steps)
     print(
         f"\nprofiled one-sequence decode: {result['profiled_ms_per_step']:.2f} ms/step under the profiler, "

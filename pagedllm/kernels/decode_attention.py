@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.prefill_attention import attend_kv_tile, padded_head_dim
+from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padded_head_dim
 
 DEFAULT_BLOCK_N = 64
 WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: K/V tiles of all stages stay within shared memory (untuned)
@@ -172,10 +172,7 @@ def decode_attention(
     tuned = FP8_HEAD_128_CONFIG if fp8 and head_dim == 128 and query.dtype == torch.bfloat16 else {}
     block_n = block_n or tuned.get("block_n") or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N)
     num_stages = num_stages or tuned.get("num_stages", 3)
-    fp8_via_f16 = tuned.get("fp8_via_f16", False) if fp8_via_f16 is None else fp8_via_f16
-    # A float16 model's dots run in f16 anyway: take the path whose probabilities carry tile-relative value scales,
-    # since p * v_scale underflows f16 for small values (an unchanged conversion otherwise).
-    fp8_via_f16 = fp8_via_f16 or (fp8 and query.dtype == torch.float16)
+    fp8_via_f16 = dots_in_f16(fp8, tuned.get("fp8_via_f16", False) if fp8_via_f16 is None else fp8_via_f16, query.dtype)
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:

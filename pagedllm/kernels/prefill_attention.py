@@ -224,6 +224,13 @@ def _prefill_attention_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_dim_valid)
 
 
+def dots_in_f16(fp8: bool, fp8_via_f16: bool, query_dtype: torch.dtype) -> bool:
+    """Whether the kernels take the fp8 path with both dots in float16: when asked, and always for a float16 model,
+    whose dots run in f16 anyway and need the tile-relative value scales (p * v_scale underflows f16 for small
+    values; for such a model the conversion is otherwise the same)."""
+    return fp8 and (fp8_via_f16 or query_dtype == torch.float16)
+
+
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -251,9 +258,7 @@ def prefill_attention(
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
-    # A float16 model's dots run in f16 anyway: take the path whose probabilities carry tile-relative value scales,
-    # since p * v_scale underflows f16 for small values (an unchanged conversion otherwise).
-    fp8_via_f16 = fp8_via_f16 or (fp8 and query.dtype == torch.float16)
+    fp8_via_f16 = dots_in_f16(fp8, fp8_via_f16, query.dtype)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]

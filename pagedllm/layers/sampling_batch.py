@@ -199,9 +199,7 @@ def add_adjustments(
 
 
 def add_penalties(batch: SamplingBatch, params: Sequence[SamplingParams], slots: Sequence[int] | None) -> None:
-    # SamplingParams.uses_penalties, inlined: a property call per row costs twice this whole pass.
-    uses = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params]
-    rows = [row for row, used in enumerate(uses) if used] if any(uses) else []
+    rows = [row for row, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return
     assert slots is not None, "rows with penalties need their request slots"
