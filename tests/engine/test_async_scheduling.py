@@ -141,3 +141,34 @@ def test_aborting_every_request_in_flight_leaves_nothing_unfinished(setup):
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_requests_ending_at_the_model_length_match_sync(llama_dir):
+    """max_tokens=None ends each request at max_model_len, a step that depends on its prompt's length; beside them,
+    requests ending at max_tokens and on stop tokens. Async scheduling gives each the same tokens and finish
+    reason as the synchronous engine, and holds no block afterwards."""
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS[:6]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, stop_token_ids=[PROMPTS[4][0]]),
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+    ]
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(llama_dir, async_scheduling=overlap, max_model_len=48)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[overlap] = [(output.outputs[0].token_ids, output.outputs[0].finish_reason) for output in outputs]
+        manager = llm.llm_engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+    assert results[True] == results[False]
+    first_five, reason = results[True][1]
+    assert reason == "length" and len(first_five) == 5  # max_tokens ends request 1
+    at_model_length = [
+        len(prompt["prompt_token_ids"]) + len(token_ids)
+        for row, (prompt, (token_ids, reason)) in enumerate(zip(prompts, results[True]))
+        if reason == "length" and row != 1
+    ]
+    assert len(at_model_length) >= 4 and set(at_model_length) == {48}
