@@ -3,7 +3,7 @@ the caching allocator's cudaMalloc calls that each bench run triggers after star
 (CUDA_MODULE_LOADING=EAGER in the environment loads every kernel module at start-up: an A/B for lazy loading.)
 It also times the garbage collector's pauses, and compares run 0's steps with run 1's.
 
-Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
+Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256] [--prime-pinned 8]
 (TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
 """
 
@@ -77,12 +77,25 @@ def snapshot() -> tuple[dict[str, set], int, int]:
     kernels = {name: specialisations(k) for name, k in triton_kernels().items()}
     # cudaMalloc calls of torch's caching allocator so far: a phase that needs memory the pool lacks makes new ones
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
-    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments, len(GC_PAUSES)
+    return kernels, counters["stats"]["unique_graphs"], len(COMPILED), segments, len(GC_PAUSES), pinned_allocations()
+
+
+def pinned_allocations() -> tuple[int, float]:
+    """cudaHostAlloc calls of torch's pinned-memory allocator so far, and their total time in ms."""
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("num_host_alloc", 0), stats.get("host_alloc_time.total", 0) / 1e3
+
+
+def prime_pinned_pool(copies: int) -> None:
+    """Hand the pinned-memory allocator `copies` blocks of every power-of-two size up to 64 KiB, then free them: they
+    stay cached, so the runs take pinned buffers without calling cudaHostAlloc (an A/B for that cost)."""
+    blocks = [torch.empty(1 << bits, dtype=torch.uint8, pin_memory=True) for bits in range(17) for _ in range(copies)]
+    del blocks
 
 
 def report(label: str, before, after) -> None:
-    kernels_before, graphs_before, compiled_before, segments_before, pauses_before = before
-    kernels_after, graphs_after, compiled_after, segments_after, pauses_after = after
+    kernels_before, graphs_before, compiled_before, segments_before, pauses_before, pinned_before = before
+    kernels_after, graphs_after, compiled_after, segments_after, pauses_after, pinned_after = after
     full = [seconds for generation, seconds in GC_PAUSES[pauses_before:pauses_after] if generation == 2]
     young = [seconds for generation, seconds in GC_PAUSES[pauses_before:pauses_after] if generation < 2]
     new = {name: kernels_after[name] - kernels_before.get(name, set()) for name in kernels_after}
@@ -90,7 +103,9 @@ def report(label: str, before, after) -> None:
     print(
         f"{label}: {compiled_after - compiled_before} Triton JIT compilations (hook), {total} new cache entries in "
         f"pagedllm's kernels, {graphs_after - graphs_before} new torch.compile graphs, "
-        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator; garbage collections: "
+        f"{segments_after - segments_before} cudaMalloc calls by the caching allocator, "
+        f"{pinned_after[0] - pinned_before[0]} cudaHostAlloc calls ({pinned_after[1] - pinned_before[1]:.1f} ms); "
+        f"garbage collections: "
         f"{len(full)} full ({1e3 * sum(full):.0f} ms), {len(young)} young ({1e3 * sum(young):.0f} ms)"
     )
     for compiled in COMPILED[compiled_before:compiled_after]:
@@ -138,6 +153,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
+    parser.add_argument("--prime-pinned", type=int, default=0, help="blocks per size to put in the pinned pool")
     args = parser.parse_args()
     install_compile_hook()
     time_collections()
@@ -152,6 +168,9 @@ def main() -> None:
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
+    if args.prime_pinned:
+        prime_pinned_pool(args.prime_pinned)
+        report(f"pinned pool primed ({args.prime_pinned} blocks per size)", before, before := snapshot())
     clocks = []
     for index in range(args.runs):
         clocks.append(StepClock())
