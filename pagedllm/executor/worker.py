@@ -7,6 +7,8 @@ order (their collectives pair up that way), and only rank 0 has a sampler.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -98,6 +100,10 @@ class Worker:
             self.graphs.capture()
         if device.type == "cuda" and self.sampler is not None:
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
+        if device.type == "cuda":  # what a first request would otherwise pay for, paid here
+            self.refill_allocator()
+            fill_pinned_pool()
+            freeze_start_up_objects()
 
     def bind_kv_cache(self, num_blocks: int) -> KVCache:
         kv_cache = allocate_kv_cache(
@@ -106,19 +112,37 @@ class Worker:
         bind_kv_cache(self.model, kv_cache, self.backend)
         return kv_cache
 
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """Run the largest prefill step and the largest decode step once, on a throwaway cache."""
+    def largest_steps(self) -> tuple[list[StepPlan], int]:
+        """The largest prefill step and the largest decode step as synthetic plans, and how many blocks (from block 0)
+        they write."""
         seq_len = min(self.max_model_len, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
         blocks_per_seq = -(-seq_len // self.block_size)
         num_prefill_blocks = num_seqs * blocks_per_seq
-        self.bind_kv_cache(num_prefill_blocks + self.config.max_num_seqs)
         prefill_tables = np.arange(num_prefill_blocks, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
-        self.execute(self.synthetic_plan(prefill_tables, seq_len))
         decode_tables = num_prefill_blocks + np.arange(self.config.max_num_seqs, dtype=np.int32)[:, None]
-        self.execute(self.synthetic_plan(decode_tables, 1))
+        plans = [self.synthetic_plan(prefill_tables, seq_len), self.synthetic_plan(decode_tables, 1)]
+        return plans, num_prefill_blocks + self.config.max_num_seqs
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run the largest prefill step and the largest decode step once, on a throwaway cache."""
+        plans, num_blocks = self.largest_steps()
+        self.bind_kv_cache(num_blocks)
+        for plan in plans:
+            self.execute(plan)
         self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
+
+    @torch.inference_mode()
+    def refill_allocator(self) -> None:
+        """Sizing the cache emptied torch's caching allocator after the warm-up. The largest steps once more, over the
+        real cache's first blocks (no request holds them yet, and a request writes a block before reading it), leave
+        the activations' and the sampler's memory in the allocator again, so requests' steps call no cudaMalloc."""
+        plans, num_blocks = self.largest_steps()
+        if num_blocks <= self.num_kv_blocks:
+            for plan in plans:
+                self.execute(plan)
+            torch.cuda.synchronize(self.device)
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
         """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,
@@ -235,3 +259,25 @@ class Worker:
     def shutdown(self) -> None:
         """Drop the graphs, the KV cache and the model, so their memory is freed; the worker runs no more steps."""
         self.graphs = self.kv_cache = self.model = None
+        if self.device.type == "cuda":
+            gc.unfreeze()  # what this engine left in cycles can be collected again (see freeze_start_up_objects)
+
+
+def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:
+    """Steps stage small arrays through pinned host memory (sampling settings up, sampled tokens down), taken from
+    torch's pinned pool, which rounds sizes up to powers of two and keeps freed blocks. Blocks of every size up to
+    max_bytes, `copies` of each (more than the steps in flight hold at once), keep cudaHostAlloc out of requests' steps:
+    the benchmark's first run called it 21 times, later runs none."""
+    blocks = [
+        torch.empty(1 << bits, dtype=torch.uint8, pin_memory=True)
+        for bits in range(max_bytes.bit_length())
+        for _ in range(copies)
+    ]  # all held at once, so the pool makes `copies` blocks of each size
+    del blocks  # back to the pool, which keeps them pinned
+
+
+def freeze_start_up_objects() -> None:
+    """Collect start-up's garbage now, then leave what survives (modules, compiled code, ...) out of later full
+    collections: the many objects start-up creates made one full collection pause a benchmark's first run for 0.34 s."""
+    gc.collect()
+    gc.freeze()
