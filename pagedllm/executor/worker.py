@@ -101,7 +101,7 @@ class Worker:
         if device.type == "cuda" and self.sampler is not None:
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
         if device.type == "cuda":  # what a first request would otherwise pay for, paid here
-            self.rehearse_steps()
+            self.refill_allocator()
             fill_pinned_pool()
             freeze_start_up_objects()
 
@@ -133,33 +133,16 @@ class Worker:
             self.execute(plan)
         self.bind_kv_cache(0)  # drop the throwaway cache before free memory is measured
 
-    def smaller_steps(self) -> list[StepPlan]:
-        """Prefill steps of one sequence of 16, 32, 64, ... tokens and of 2, 4, 8, ... sequences of 16 tokens, below
-        the largest step: the GEMM kernels that cuBLAS picks depend on the number of rows, and CUDA loads each kernel
-        on its first launch."""
-        max_tokens = min(self.max_model_len, self.config.max_num_batched_tokens)
-        blocks_per_seq = lambda tokens: -(-tokens // self.block_size)  # noqa: E731
-        shapes = [(1, 1 << bits) for bits in range(4, max_tokens.bit_length()) if 1 << bits < max_tokens]
-        shapes += [(1 << bits, 16) for bits in range(1, self.config.max_num_seqs.bit_length())]
-        return [
-            self.synthetic_plan(np.arange(num_seqs * blocks_per_seq(seq_len), dtype=np.int32).reshape(num_seqs, -1),
-                                seq_len)
-            for num_seqs, seq_len in shapes
-            if num_seqs * seq_len <= self.config.max_num_batched_tokens
-            and num_seqs * blocks_per_seq(seq_len) <= self.num_kv_blocks
-        ]  # fmt: skip
-
     @torch.inference_mode()
-    def rehearse_steps(self) -> None:
-        """Run, on the real cache's first blocks (no request holds them yet, and a request writes a block before it
-        reads it), the largest steps again and steps of smaller sizes, so that requests' first steps find what
-        they need ready: sizing the cache emptied torch's caching allocator after the warm-up (the activations' and the
-        sampler's memory is cached again), and each size's kernels are loaded."""
+    def refill_allocator(self) -> None:
+        """Sizing the cache emptied torch's caching allocator after the warm-up. The largest steps once more, over the
+        real cache's first blocks (no request holds them yet, and a request writes a block before reading it), leave
+        the activations' and the sampler's memory in the allocator again, so requests' steps call no cudaMalloc."""
         plans, num_blocks = self.largest_steps()
-        plans = (plans if num_blocks <= self.num_kv_blocks else []) + self.smaller_steps()
-        for plan in plans:
-            self.execute(plan)
-        torch.cuda.synchronize(self.device)
+        if num_blocks <= self.num_kv_blocks:
+            for plan in plans:
+                self.execute(plan)
+            torch.cuda.synchronize(self.device)
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
         """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,
