@@ -8,6 +8,7 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -92,21 +93,37 @@ def test_requests_after_start_up_compile_nothing(tiny_model_dirs):
     assert counted.triton == [] and counted.graphs == 0, (counted.triton, counted.graphs)
 
 
-def test_a_fresh_engines_first_run_is_as_fast_as_its_second(tiny_model_dirs):
-    """The engine built second in the process (the first pays Triton's on-disk cache misses and the process's first
-    pass through the engine's Python): its first run of a workload within 5% of the median of its next three."""
-    prompts = workload(7, 128, (16, 512))
-    first_engine = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
-    run(first_engine, prompts[:4], max_tokens=4)
-    first_engine.shutdown()
-    llm = LLM(tiny_model_dirs["llama_gqa_untied"], **SMALL)
+@dataclass
+class FirstRun:
+    seconds: float
+    later_seconds: float  # the median of the next three runs
+    one_time_work: dict[str, int]  # what start-up should have done instead: counts in the first run
+
+
+def fresh_engine_runs(directory: str, prompts: list[dict]) -> FirstRun:
+    llm = LLM(directory, **SMALL)
     calls_before = allocator_calls()
-    with FullCollections() as collections:
+    with FullCollections() as collections, CompilationCounter() as compiled:
         first = run(llm, prompts, max_tokens=96)
     mallocs, host_allocs = (after - before for after, before in zip(allocator_calls(), calls_before))
     later = statistics.median(run(llm, prompts, max_tokens=96) for _ in range(3))
-    assert first <= 1.05 * later, (
-        f"first run {first:.3f} s, later runs' median {later:.3f} s; in the first run: full garbage collections "
-        f"{len(collections.pauses)} ({1e3 * sum(collections.pauses):.0f} ms), cudaMalloc calls {mallocs}, "
-        f"cudaHostAlloc calls {host_allocs}"
-    )
+    llm.shutdown()
+    work = dict(triton_compilations=len(compiled.triton), torch_compile_graphs=compiled.graphs, cuda_malloc=mallocs,
+                cuda_host_alloc=host_allocs, full_garbage_collections=len(collections.pauses))  # fmt: skip
+    return FirstRun(first, later, work)
+
+
+def test_a_fresh_engines_first_run_is_as_fast_as_its_later_ones(tiny_model_dirs):
+    """Engines built one after another in one process (the first pays Triton's on-disk cache misses and the process's
+    first pass through the engine's Python, and is not counted). Each later engine's first run compiles nothing,
+    grows neither the caching allocator nor the pinned pool, meets no full garbage collection (start-up did all of
+    that), and the median over engines of first run / median of the next three is within 5%: a median over three
+    engines, since single runs of this host-bound workload on one engine spread by more than 5% (0.37-0.55 s)."""
+    prompts = workload(7, 128, (16, 512))
+    directory = tiny_model_dirs["llama_gqa_untied"]
+    with LLM(directory, **SMALL) as first_engine:
+        run(first_engine, prompts[:4], max_tokens=4)
+    runs = [fresh_engine_runs(directory, prompts) for _ in range(3)]
+    assert all(not any(r.one_time_work.values()) for r in runs), [r.one_time_work for r in runs]
+    ratios = [r.seconds / r.later_seconds for r in runs]
+    assert statistics.median(ratios) <= 1.05, [f"first {r.seconds:.3f} s, later {r.later_seconds:.3f} s" for r in runs]
