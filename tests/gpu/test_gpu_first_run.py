@@ -1,6 +1,6 @@
-"""Start-up compiles everything (run with `pytest -m gpu tests/gpu`): after `LLM()`, requests of new batch sizes and
-prompt lengths build no Triton kernel and no torch.compile graph, and a fresh engine's first run is as fast as its
-second."""
+"""Start-up does every one-time job (run with `pytest -m gpu tests/gpu`): after `LLM()`, requests of new batch sizes
+and prompt lengths build no Triton kernel and no torch.compile graph, a fresh engine's first run grows neither
+allocator and meets no full garbage collection, and it is as fast as its later runs."""
 
 from __future__ import annotations
 
