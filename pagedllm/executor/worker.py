@@ -103,7 +103,7 @@ class Worker:
         if device.type == "cuda":  # what a first request would otherwise pay for, paid here
             self.refill_allocator()
             fill_pinned_pool()
-            freeze_start_up_objects()
+            collect_start_up_garbage()
 
     def bind_kv_cache(self, num_blocks: int) -> KVCache:
         kv_cache = allocate_kv_cache(
@@ -261,8 +261,6 @@ class Worker:
     def shutdown(self) -> None:
         """Drop the graphs, the KV cache and the model, so their memory is freed; the worker runs no more steps."""
         self.graphs = self.kv_cache = self.model = None
-        if self.device.type == "cuda":
-            gc.unfreeze()  # what this engine left in cycles can be collected again (see freeze_start_up_objects)
 
 
 def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:
@@ -278,9 +276,10 @@ def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:
     del blocks  # back to the pool, which keeps them pinned
 
 
-def freeze_start_up_objects() -> None:
-    """Collect start-up's garbage now, then leave what survives (modules, compiled code, ...) out of later full
-    collections: the many objects start-up creates made one full collection pause a benchmark's first run for 0.34 s.
-    Objects older than the engine, the caller's too, are left to reference counting until shutdown unfreezes them."""
+def collect_start_up_garbage() -> None:
+    """A full collection scans every object alive, and start-up leaves many (one full collection paused a
+    benchmark's first run for 0.34 s). Collecting now starts afresh the count that triggers the next full collection:
+    it waits until a quarter as many objects again have outlived the younger collections (CPython 3.12), far more
+    than a run keeps. (Freezing the survivors, gc.freeze(), would also keep them out of later full collections, but
+    an engine dropped without shutdown() sits in reference cycles and would then never be freed, its KV cache held.)"""
     gc.collect()
-    gc.freeze()
