@@ -57,6 +57,9 @@ class Worker:
     ):
         """checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it), else opened here.
         tp: this worker's rank and group; the model holds that rank's shard."""
+        # An engine dropped without shutdown() sits in reference cycles, holding its weights and KV cache until a full
+        # collection: free them before this one loads weights and sizes its cache from the memory left.
+        gc.collect()
         checkpoint = checkpoint or open_checkpoint(config.model, load_tokenizer=False, convert_gguf=False)
         self.config, self.device, self.dtype, self.tp = config, device, dtype, tp
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -99,6 +101,23 @@ def test_shared_prefix_reports_cached_tokens(llama_dir):
     second = llm.generate({"prompt_token_ids": prefix + [71, 72]}, GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 64  # four full blocks of the 68-token shared prefix
+
+
+def test_an_engine_dropped_without_shutdown_is_freed_by_the_next_start_up(llama_dir):
+    """Engines sit in reference cycles, so dropping one frees nothing until a full collection; the next engine's
+    start-up runs one before it takes memory (with the collector off here, only that collection can free it)."""
+    gc.disable()
+    try:
+        llm = LLM(llama_dir, num_kv_blocks=64)
+        greedy_tokens(llm, make_prompts(2))
+        kv_cache = weakref.ref(llm.llm_engine.worker.kv_cache.keys)
+        weights = weakref.ref(next(llm.llm_engine.worker.model.parameters()))
+        del llm
+        assert kv_cache() is not None  # still held by the cycles: the situation the start-up collection is for
+        LLM(llama_dir, num_kv_blocks=64)
+        assert kv_cache() is None and weights() is None
+    finally:
+        gc.enable()
 
 
 def test_abort_frees_every_block(llama_dir, prompts):
