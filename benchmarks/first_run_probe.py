@@ -3,7 +3,7 @@ the caching allocator's cudaMalloc calls that each bench run triggers after star
 (CUDA_MODULE_LOADING=EAGER in the environment loads every kernel module at start-up: an A/B for lazy loading.)
 It also times the garbage collector's pauses, and compares run 0's steps with run 1's.
 
-Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256] [--prime-pinned 8]
+Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seqs 256]
 (TORCH_LOGS=recompiles also prints each torch.compile recompilation's reason.)
 """
 
@@ -86,13 +86,6 @@ def pinned_allocations() -> tuple[int, float]:
     return stats.get("num_host_alloc", 0), stats.get("host_alloc_time.total", 0) / 1e3
 
 
-def prime_pinned_pool(copies: int) -> None:
-    """Hand the pinned-memory allocator `copies` blocks of every power-of-two size up to 64 KiB, then free them: they
-    stay cached, so the runs take pinned buffers without calling cudaHostAlloc (an A/B for that cost)."""
-    blocks = [torch.empty(1 << bits, dtype=torch.uint8, pin_memory=True) for bits in range(17) for _ in range(copies)]
-    del blocks
-
-
 def report(label: str, before, after) -> None:
     kernels_before, graphs_before, compiled_before, segments_before, pauses_before, pinned_before = before
     kernels_after, graphs_after, compiled_after, segments_after, pauses_after, pinned_after = after
@@ -153,7 +146,6 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
-    parser.add_argument("--prime-pinned", type=int, default=0, help="blocks per size to put in the pinned pool")
     args = parser.parse_args()
     install_compile_hook()
     time_collections()
@@ -168,9 +160,6 @@ def main() -> None:
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
-    if args.prime_pinned:
-        prime_pinned_pool(args.prime_pinned)
-        report(f"pinned pool primed ({args.prime_pinned} blocks per size)", before, before := snapshot())
     clocks = []
     for index in range(args.runs):
         clocks.append(StepClock())
