@@ -48,7 +48,10 @@ def run_bench(name: str, arguments: list[str], out: Path, timeout: float) -> Non
 
 
 def print_table(out: Path) -> None:
-    print("\n| shape | first run (output tok/s) | median | first / median | % of roofline (median) | start-up (s) |")
+    print(
+        "\n| shape | first run (output tok/s) | median of the later runs | first / median | % of roofline (median) "
+        "| start-up (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, _ in RUNS[:-1]:
         path = out / f"{name}.json"
