@@ -133,6 +133,13 @@ def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
         f"run 0 vs run 1, {len(pairs)} steps: prefill steps {1e3 * prefill:+.0f} ms, decode steps "
         f"{1e3 * decode:+.0f} ms; device time of the prefill steps {device[0]:.0f} vs {device[1]:.0f} ms"
     )
+    decode_excess = sorted(1e3 * e for e, _, a, _ in excess if not a[0])
+    if decode_excess:
+        quartiles = [decode_excess[int(q * (len(decode_excess) - 1))] for q in (0.1, 0.25, 0.5, 0.75, 0.9)]
+        # Spread evenly (every step a little slower: the device) or a few large ones (one-time stalls)?
+        print(
+            "    decode steps' excess, ms (10/25/50/75/90th percentile): " + " / ".join(f"{q:+.3f}" for q in quartiles)
+        )
     for _, index, a, b in sorted(excess, reverse=True)[:top]:
         print(
             f"    step {index}: {a[0]} prefill tokens, {a[1]} seqs: {1e3 * a[2]:.1f} ms vs {1e3 * b[2]:.1f} ms "
@@ -147,6 +154,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument(
+        "--host-only", action="store_true", help="time steps on the host clock alone, as bench does (no CUDA events)"
+    )
     args = parser.parse_args()
     install_compile_hook()
     time_collections()
@@ -164,7 +174,7 @@ def main() -> None:
     clocks = []
     for index in range(args.runs):
         clocks.append(StepClock())
-        llm.llm_engine.add_step_listener(clocks[-1].add, device_timings=True)
+        llm.llm_engine.add_step_listener(clocks[-1].add, device_timings=not args.host_only)
         result = timed_run(llm, prompts, output_lens)
         llm.llm_engine.remove_step_listener(clocks[-1].add)
         print(
