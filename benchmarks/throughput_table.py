@@ -37,6 +37,7 @@ def run_bench(name: str, arguments: list[str], out: Path, timeout: float) -> Non
         str(out / f"{name}.json"),
     ]
     print("$", " ".join(command), flush=True)
+    (out / f"{name}.json").unlink(missing_ok=True)  # a failed run must not leave an earlier result in the table
     with open(out / f"{name}.log", "w") as log:
         try:
             process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
@@ -45,15 +46,22 @@ def run_bench(name: str, arguments: list[str], out: Path, timeout: float) -> Non
             return
     if process.returncode:
         print(f"{name}: exit {process.returncode}, see {name}.log", flush=True)
+    # Each timed run's row on stdout too: a device call returns stdout whole, but only some of the files.
+    for line in (out / f"{name}.log").read_text().splitlines():
+        if line.startswith(("| run", "first run", "| one sequence", "| 8 fresh")):
+            print(f"    {line}", flush=True)
 
 
-def print_table(out: Path) -> None:
+def print_table(out: Path, names: list[str]) -> None:
+    """The rows of the runs made in this invocation (names), from their JSON results."""
     print(
         "\n| shape | first run (output tok/s) | median of the later runs | first / median | % of roofline (median) "
         "| start-up (s) |"
     )
     print("|---|---|---|---|---|---|")
-    for name, _ in RUNS[:-1]:
+    for name in names:
+        if name == "latency":
+            continue
         path = out / f"{name}.json"
         if not path.exists():
             print(f"| {name} | no result |")
@@ -63,6 +71,8 @@ def print_table(out: Path) -> None:
         roofline, load = result["percent_of_roofline"], result["load_s"]
         print(f"| {name} | **{first:,.0f}** | {median:,.0f} | {first / median:.0%} | {roofline:.0f}% | {load:.1f} |")
     path = out / "latency.json"
+    if "latency" not in names:
+        return
     if not path.exists():
         print("\nlatency: no result")
         return
@@ -86,10 +96,11 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    names = [name for name, _ in RUNS if args.only is None or name in args.only]
     for name, arguments in RUNS:
-        if args.only is None or name in args.only:
+        if name in names:
             run_bench(name, arguments, out, args.timeout)
-    print_table(out)
+    print_table(out, names)
 
 
 if __name__ == "__main__":
