@@ -5,9 +5,10 @@ Run on the GPU machine, from the repository root:
     PYTHONUNBUFFERED=1 python benchmarks/kernels.py            # checks + timings (a few minutes)
     python benchmarks/kernels.py --no-checks --quick           # timings of the main rows only
     python benchmarks/kernels.py --no-checks --quick --fp8-sweep   # + the fp8 decode config sweep (~1.5 min more)
+    python benchmarks/kernels.py --no-checks --quick --splits-sweep  # + one-sequence splits, TinyLlama's decode tiles
 Writes $OUT/kernels.json (every number) and $OUT/kernels.md (the tables), OUT defaulting to the current directory,
 after every section, so a run cut short keeps what it measured. The checks are `pytest -m gpu tests/kernels`.
-On a CPU, `--dry-run` runs the fp8 sweep's code path on tiny shapes under the Triton interpreter (times meaningless).
+On a CPU, `--dry-run` runs the sweeps' code paths on tiny shapes under the Triton interpreter (times meaningless).
 """
 
 from __future__ import annotations
@@ -200,6 +201,31 @@ def fp8_sweep_rows(copy_bw: float, shapes: dict, prefill_shape: tuple) -> list[d
     return rows
 
 
+def splits_sweep_rows(copy_bw: float, dry_run: bool) -> list[dict]:
+    """Decode attention where the batch leaves the GPU short of programs or the kernel short of bandwidth: one
+    sequence at bench --latency's two contexts (32,000 and 1,024 tokens; 16 splits by default) over num_splits, and
+    TinyLlama-1.1B's heads (32 q / 4 KV, head_dim 64) at batch 256 on mixed lengths over tiles and splits."""
+    qwen3 = dict(num_heads=4, num_kv_heads=2, head_dim=128) if dry_run else QWEN3
+    tinyllama = dict(num_heads=8, num_kv_heads=1, head_dim=64) if dry_run else dict(num_heads=32, num_kv_heads=4,
+                                                                                     head_dim=64)  # fmt: skip
+    graph = not dry_run
+    rows = []
+    for seq_len in (300, 40) if dry_run else (32000, 1024):
+        batch = decode_batch([seq_len], **qwen3, kv_cache_dtype="auto")
+        expected = reference(batch, qwen3["head_dim"] ** -0.5)
+        for config in ({}, *(dict(num_splits=splits) for splits in (16, 32, 64, 128))):
+            rows.append(time_decode(f"decode 1 x {seq_len}", batch, copy_bw, config, graph, expected))
+        del batch, expected
+    lengths = (40, 70, 55) if dry_run else torch.randint(100, 2049, (256,), generator=torch.Generator().manual_seed(0))
+    batch = decode_batch(list(map(int, lengths)), **tinyllama, kv_cache_dtype="auto")
+    expected = reference(batch, tinyllama["head_dim"] ** -0.5)
+    configs = ({}, dict(block_n=32), dict(block_n=128), dict(num_warps=8), dict(num_splits=2), dict(num_splits=4))
+    for config in configs:
+        name = f"decode {len(lengths)} x mixed, {tinyllama['num_heads']}/{tinyllama['num_kv_heads']} heads, d64"
+        rows.append(time_decode(name, batch, copy_bw, config, graph, expected))
+    return rows
+
+
 def fp8_sweep_shapes(dry_run: bool) -> tuple[dict, tuple]:
     """The sweep's decode shapes and its prefill shape (num_seqs, seq_len, num_kv_heads, head_dim): Qwen3-0.6B's
     heads at the benchmark's sizes, or tiny ones for the interpreter."""
@@ -370,7 +396,7 @@ def markdown(results: dict) -> str:
         lines.append(f"copy bandwidth (read + write): {results['copy_GB/s']:.0f} GB/s")
     if "checks" in results:
         lines.append(f"checks (`pytest -m gpu tests/kernels`): {results['checks']['summary']}")
-    for section in ("decode", "prefill", "store", "fp8_sweep"):
+    for section in ("decode", "prefill", "store", "fp8_sweep", "splits_sweep"):
         if section not in results:
             continue
         lines += ["", f"## {section}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -408,7 +434,8 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true", help="skip pytest -m gpu tests/kernels")
     parser.add_argument("--quick", action="store_true", help="only the main rows (no config sweeps)")
     parser.add_argument("--fp8-sweep", action="store_true", help="also the fp8 decode sweep over FP8_SWEEP_GRID")
-    parser.add_argument("--dry-run", action="store_true", help="CPU: the fp8 sweep, tiny shapes, Triton interpreter")
+    parser.add_argument("--splits-sweep", action="store_true", help="also one-sequence and TinyLlama decode sweeps")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the sweeps, tiny shapes, Triton interpreter")
     args = parser.parse_args()
     global DEVICE, MODEL_DTYPE
     if args.dry_run:
@@ -435,12 +462,16 @@ def main() -> None:
         "prefill": lambda: prefill_rows(args.quick),
         "store": store_rows,
         "fp8_sweep": lambda: fp8_sweep_rows(copy_bw, *fp8_sweep_shapes(args.dry_run)),
+        "splits_sweep": lambda: splits_sweep_rows(copy_bw, args.dry_run),
         "kernel_resources": kernel_resources,
     }
     if args.dry_run:
-        sections = {"fp8_sweep": sections["fp8_sweep"]}
-    elif not args.fp8_sweep:
-        del sections["fp8_sweep"]
+        sections = {"fp8_sweep": sections["fp8_sweep"], "splits_sweep": sections["splits_sweep"]}
+    else:
+        if not args.fp8_sweep:
+            del sections["fp8_sweep"]
+        if not args.splits_sweep:
+            del sections["splits_sweep"]
     for name, section in sections.items():
         try:
             results[name] = section()
@@ -452,8 +483,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(markdown(results))
     if args.dry_run:  # the interpreter's results must match the reference like the GPU's (tolerance as the tests')
-        failed = [row for row in results.get("fp8_sweep", []) if not row.get("rel_err", float("inf")) < 1e-2]
-        if failed or "fp8_sweep_error" in results:
+        rows = results.get("fp8_sweep", []) + results.get("splits_sweep", [])
+        failed = [row for row in rows if not row.get("rel_err", float("inf")) < 1e-2]
+        if failed or "fp8_sweep_error" in results or "splits_sweep_error" in results:
             raise SystemExit(f"dry run: {len(failed)} rows failed or erred")
 
 
