@@ -234,6 +234,34 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
     return result
 
 
+def profile_prefill(llm, prompts: list[list[int]]) -> dict:
+    """Print where the workload's prefill steps spend GPU time (torch.profiler): every prompt once, one output token
+    each, so the profiled steps are the prefill steps alone; return their number and kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"profile-prefill-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    num_steps, start = 0, time.perf_counter()
+    with profile(activities=activities) as profiler:
+        while engine.has_unfinished_requests():
+            engine.step()
+            num_steps += 1
+    elapsed = time.perf_counter() - start
+    result = {"steps": num_steps, "prompt_tokens": sum(map(len, prompts)), "s": elapsed}
+    result |= device_time_per_step(profiler, num_steps)
+    kernel_ms = result["kernel_ms_per_step"] * num_steps
+    print(f"\nprofiled prefill: {num_steps} steps, {result['prompt_tokens']:,} prompt tokens, {elapsed:.3f} s under "
+          f"the profiler, kernels {kernel_ms:.1f} ms in all")  # fmt: skip
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    return result
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     from pagedllm import LLM
 
@@ -255,6 +283,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         tracer = llm.llm_engine.start_trace(None)  # in memory, for the plot
     timed_run(llm, prompts[:8], [16] * 8)  # warm-up: kernels compiled, allocator primed
     profile = profile_decode(llm, prompts) if args.profile else None
+    prefill_profile = profile_prefill(llm, prompts) if args.profile else None
     runs, windows = [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -290,6 +319,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     }
     if profile is not None:
         result["profile"] = profile
+        result["profile_prefill"] = prefill_profile
     print_table(result)
     return result
 
@@ -349,7 +379,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (1)")
     parser.add_argument(
         "--profile", action="store_true",
-        help="print a torch.profiler table of decode steps (first; with --latency: last, of one sequence)",
+        help="print torch.profiler tables of decode steps, then of the workload's prefill steps, before the timed "
+        "runs (with --latency: of one sequence's decode, last)",
     )  # fmt: skip
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
     parser.add_argument("--output", help="write the result as JSON here")
