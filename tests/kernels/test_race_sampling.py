@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from interpreter_child import interpreter_results
 
 from pagedllm.kernels.race_sampling import _exponential_in_log2_units
 
@@ -94,15 +92,7 @@ def total_variation(p: np.ndarray, q: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    root = str(Path(__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import traceback
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import interpreter_results
 from paged_batch import Step, check_step
 
 PREFILL_TILES = {"block_m": 16, "block_n": 16}
@@ -83,12 +81,7 @@ def tolerance(step: Step) -> float:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    root = str(Path(__file__).resolve().parents[2])
-    python_path = os.pathsep.join([root, str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": python_path}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("name", STEPS)
