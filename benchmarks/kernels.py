@@ -205,9 +205,9 @@ def splits_sweep_rows(copy_bw: float, dry_run: bool) -> list[dict]:
     """Decode attention where the batch leaves the GPU short of programs or the kernel short of bandwidth: one
     sequence at bench --latency's two contexts (32,000 and 1,024 tokens; 16 splits by default) over num_splits, and
     TinyLlama-1.1B's heads (32 q / 4 KV, head_dim 64) at batch 256 on mixed lengths over tiles and splits."""
-    qwen3 = dict(num_heads=4, num_kv_heads=2, head_dim=128) if dry_run else QWEN3
-    tinyllama = dict(num_heads=8, num_kv_heads=1, head_dim=64) if dry_run else dict(num_heads=32, num_kv_heads=4,
-                                                                                     head_dim=64)  # fmt: skip
+    qwen3, tinyllama = QWEN3, dict(num_heads=32, num_kv_heads=4, head_dim=64)
+    if dry_run:
+        qwen3, tinyllama = dict(qwen3, num_heads=4, num_kv_heads=2), dict(tinyllama, num_heads=8, num_kv_heads=1)
     graph = not dry_run
     rows = []
     for seq_len in (300, 40) if dry_run else (32000, 1024):

@@ -165,14 +165,20 @@ class PhaseTimer:
             self.decode_s += elapsed
 
 
-def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+def add_workload(llm, name: str, prompts: list[list[int]], output_lens: list[int]) -> None:
+    """Queue the prompts as the workload samples them (temperature 0.6, exactly output_lens[i] tokens each), on an
+    empty prefix cache so that no run reuses an earlier run's blocks."""
     from pagedllm import SamplingParams
 
-    engine = llm.llm_engine
     llm.reset_prefix_cache()
     for index, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
-        engine.add_request(f"bench-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+        llm.llm_engine.add_request(f"{name}-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+
+
+def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+    engine = llm.llm_engine
+    add_workload(llm, "bench", prompts, output_lens)
     output_tokens = 0
     start = time.perf_counter()
     timer = PhaseTimer(start)
@@ -206,13 +212,8 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
     step time and the kernel and all-reduce time per step (rank 0's)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedllm import SamplingParams
-
     engine = llm.llm_engine
-    llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4 * num_steps)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"profile-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+    add_workload(llm, "profile", prompts, [4 * num_steps] * len(prompts))
     while engine.scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running):
         engine.step()
     engine.step()
@@ -239,13 +240,8 @@ def profile_prefill(llm, prompts: list[list[int]]) -> dict:
     each, so the profiled steps are the prefill steps alone; return their number and kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedllm import SamplingParams
-
     engine = llm.llm_engine
-    llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"profile-prefill-{index}", {"prompt_token_ids": prompt}, params, stream=False)
+    add_workload(llm, "profile-prefill", prompts, [1] * len(prompts))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     num_steps, start = 0, time.perf_counter()
     with profile(activities=activities) as profiler:
@@ -365,13 +361,21 @@ def print_table(result: dict) -> None:
     )
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="pagedllm bench", description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (qwen3-0.6b)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument(
-        "--repeats", type=int, default=4, help="timed runs: the first, and the median of the others, are reported (4)"
-    )
+        "--repeats", type=positive_int, default=4,
+        help="timed runs: the first, and the median of the others, are reported (4)",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
