@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -110,16 +112,30 @@ def report(label: str, before, after) -> None:
 
 class StepClock:
     """Each step's host duration (from the previous step's tokens reaching the host to its own) and its size, so
-    that run 0's steps can be set against the same steps of a later run (the schedule is deterministic)."""
+    that run 0's steps can be set against the same steps of a later run (the schedule is deterministic); and the
+    host phases of each step, for --steps-json (where the host waited for the device, and where it worked)."""
 
     def __init__(self):
         self.steps: list[tuple[int, int, float, float]] = []  # (prefill tokens, sequences, seconds, device ms)
+        self.phases: list[dict] = []
         self.previous = time.perf_counter()  # made just before its run starts
 
     def add(self, record) -> None:
         device_ms = record.events.forward_ms() + record.events.sampling_ms() if record.events else float("nan")
         self.steps.append((record.num_prefill_tokens, record.num_seqs, record.resolved_at - self.previous, device_ms))
         self.previous = record.resolved_at
+        self.phases.append(
+            {
+                "prefill_tokens": record.num_prefill_tokens,
+                "seqs": record.num_seqs,
+                "schedule_ms": 1e3 * (record.batched_at - record.scheduled_at),
+                "plan_ms": 1e3 * (record.planned_at - record.batched_at),
+                "launch_ms": 1e3 * (record.launched_at - record.planned_at),
+                "wait_ms": 1e3 * (record.resolved_at - record.resolve_started_at),  # the host waiting for tokens
+                "resolved_at": record.resolved_at,
+                "device_ms": device_ms,
+            }
+        )
 
 
 def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
@@ -147,6 +163,16 @@ def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
         )
 
 
+def reorder_free_blocks(block_manager, order: str) -> None:
+    """Hand out the free blocks in another order (no block is held between runs, so all are free)."""
+    block_ids = list(block_manager.free_block_ids)
+    if order == "rotated":
+        block_ids = block_ids[len(block_ids) // 2 :] + block_ids[: len(block_ids) // 2]
+    elif order == "shuffled":
+        random.Random(0).shuffle(block_ids)
+    block_manager.free_block_ids = OrderedDict.fromkeys(block_ids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-0.6b")
@@ -154,6 +180,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--steps-json", help="write every run's steps (host phases, device time) to this file")
+    parser.add_argument(
+        "--free-list",
+        choices=["as-is", "rotated", "shuffled"],
+        default="as-is",
+        help="order of the free KV blocks before run 0: as start-up left it (block 0 first), starting half-way "
+        "through the cache, or in random order (where run 0's blocks lie in memory)",
+    )
     parser.add_argument(
         "--host-only", action="store_true", help="time steps on the host clock alone, as bench does (no CUDA events)"
     )
@@ -171,6 +205,7 @@ def main() -> None:
     report("start-up", before, before := snapshot())
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
+    reorder_free_blocks(llm.llm_engine.block_manager, args.free_list)
     clocks = []
     for index in range(args.runs):
         clocks.append(StepClock())
@@ -184,6 +219,8 @@ def main() -> None:
         report(f"run {index}", before, before := snapshot())
     if len(clocks) > 1:
         compare_steps(clocks[0], clocks[1])
+    if args.steps_json:
+        Path(args.steps_json).write_text(json.dumps([clock.phases for clock in clocks]))
     # Fresh shapes after the runs, as a server sees them: batches of new prompts of sizes the runs never had.
     rng = random.Random(1)
     for num_prompts, length in ((1, 77), (8, 128), (16, 128), (13, 300)):

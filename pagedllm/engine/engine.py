@@ -15,6 +15,7 @@ from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.ranks import is_rank_zero
+from pagedllm.executor.worker import collect_start_up_garbage
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -97,6 +98,7 @@ class LLMEngine:
         self.tracer: Tracer | None = None
         if config.trace_file is not None:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
+        collect_start_up_garbage()  # last: start-up's garbage, and what it built (the blocks) counts as old
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
         """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.plan_broadcast import receive_plan
-from pagedllm.executor.worker import Worker
+from pagedllm.executor.worker import Worker, collect_start_up_garbage
 from pagedllm.layers.parallel_state import TensorParallelGroup
 from pagedllm.models.registry import check_tensor_parallel_size
 from pagedllm.models.spec import DecoderSpec
@@ -97,6 +97,7 @@ def join_group(rank: int, size: int, device: torch.device, store: dist.Store | N
 def serve_plans(worker: Worker) -> None:
     """The life of every rank but 0 once its worker is loaded: run each plan rank 0 sends, until the shutdown."""
     gather_weight_bytes(worker)
+    collect_start_up_garbage()
     while (plan := receive_plan(worker.tp.host_group)) is not None:
         worker.execute(plan)
     worker.shutdown()
