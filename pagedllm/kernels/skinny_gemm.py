@@ -115,6 +115,8 @@ def skinny_linear(
     n = weight.shape[0]
     assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
     if split_k is None:
         split_k = choose_split_k(n, k, block_n, block_k, num_multiprocessors(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k

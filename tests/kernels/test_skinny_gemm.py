@@ -72,6 +72,10 @@ def test_the_splits_sum_to_the_unsplit_product(results: dict) -> None:
         assert error < TOLERANCE["float16"], (split_k, error)
 
 
+def test_no_rows_give_an_empty_output(results: dict) -> None:
+    assert results["no_rows"] == [0, 64]
+
+
 def test_the_split_choice_fills_the_gpu_without_thin_splits() -> None:
     # Qwen3-0.6B's projections on 132 multiprocessors, BLOCK_N 32, BLOCK_K 128
     assert choose_split_k(4096, 1024, 32, 128, 132) == 2  # qkv: 128 tiles
@@ -125,6 +129,7 @@ def main() -> None:
     x = torch.randn(4, 1024, generator=generator).half()
     weight = (torch.randn(64, 1024, generator=generator) / 32).half()
     reference = x.double() @ weight.double().T
+    record["no_rows"] = list(skinny_linear(torch.empty(0, 256), torch.randn(64, 256), split_k=2).shape)
     record["splits"] = {
         str(split_k): relative_error(skinny_linear(x, weight, split_k=split_k), reference) for split_k in (1, 2, 4, 8)
     }
