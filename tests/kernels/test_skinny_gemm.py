@@ -3,21 +3,18 @@ row counts 1..16, output features and K that are no multiple of the tiles, split
 inputs give the same bits on every call. float16 and float32 here: the interpreter's tl.dot gets bfloat16 wrong (a
 16x16 product off by 1e10), so bfloat16 is checked on the GPU (test_kernels_gpu.py).
 
-As test_race_sampling.py: Triton decides interpret-or-compile when a kernel is decorated, so every call runs in one
-child process (this file run as a script, with TRITON_INTERPRET=1 set from its start) that prints one JSON record.
+Every call runs in one child process under the interpreter (interpreter_child.py), which prints one JSON record.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter_child import interpreter_results
 
 from pagedllm.kernels.skinny_gemm import choose_split_k
 from pagedllm.layers.linear import linear
@@ -44,15 +41,7 @@ def case_name(case) -> str:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    root = str(Path(__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
