@@ -5,7 +5,7 @@ rows along K, and multiplies the x rows (padded to 16 for the tensor cores, mask
 few output features (o_proj, down_proj) K is split so that every multiprocessor has work; each split writes float32
 partial sums and a second kernel adds them in split order (deterministic: no atomics) with the bias, in W's dtype.
 
-cuBLAS's kernels for such shapes moved the weights at 1.0-1.6 TB/s on the H200 (Qwen3-0.6B shape, one sequence:
+cuBLAS's kernels for such shapes moved the weights at 0.8-1.6 TB/s on the H200 (Qwen3-0.6B shape, one sequence:
 0.83 ms of GEMMs per step where the weights need 0.29 ms at the copy bandwidth; benchmarks/NOTES.md).
 """
 
