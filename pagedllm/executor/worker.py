@@ -84,8 +84,8 @@ class Worker:
             self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
         block_bytes = kv_block_bytes(self.spec, config.block_size, dtype, tp.size, config.kv_cache_dtype)
-        # On CUDA the warm-up always runs, whatever sizes the cache: it compiles and loads what the largest prefill and
-        # decode steps use, so that no user request pays for it.
+        # On CUDA the warm-up always runs, whatever sizes the cache: it compiles and loads what the start-up steps
+        # use (largest prefill, largest decode, one-sequence decode), so that no user request pays for it.
         warmup_peak = measure_warmup_peak(device, self.warmup) if device.type == "cuda" else 0
         num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, warmup_peak)
         # Every rank holds the same block ids, so the rank with the least room sets the number.
@@ -114,9 +114,10 @@ class Worker:
         bind_kv_cache(self.model, kv_cache, self.backend)
         return kv_cache
 
-    def largest_steps(self) -> tuple[list[StepPlan], int]:
-        """The largest prefill step and the largest decode step as synthetic plans, and how many blocks (from block 0)
-        they write."""
+    def start_up_steps(self) -> tuple[list[StepPlan], int]:
+        """The largest prefill step, the largest decode step and a one-sequence decode step as synthetic plans, and how
+        many blocks (from block 0) they write. The small step compiles what only few rows take (the skinny GEMM)
+        when no CUDA graph capture does."""
         seq_len = min(self.max_model_len, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
         blocks_per_seq = -(-seq_len // self.block_size)
@@ -124,12 +125,13 @@ class Worker:
         prefill_tables = np.arange(num_prefill_blocks, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
         decode_tables = num_prefill_blocks + np.arange(self.config.max_num_seqs, dtype=np.int32)[:, None]
         plans = [self.synthetic_plan(prefill_tables, seq_len), self.synthetic_plan(decode_tables, 1)]
+        plans.append(self.synthetic_plan(decode_tables[:1], 1))
         return plans, num_prefill_blocks + self.config.max_num_seqs
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run the largest prefill step and the largest decode step once, on a throwaway cache."""
-        plans, num_blocks = self.largest_steps()
+        """Run start_up_steps() once, on a throwaway cache."""
+        plans, num_blocks = self.start_up_steps()
         self.bind_kv_cache(num_blocks)
         for plan in plans:
             self.execute(plan)
@@ -141,7 +143,7 @@ class Worker:
         real cache's first blocks (no request holds them yet, and a request writes a block before reading it), leave
         the activations' and the sampler's memory in the allocator again: the benchmark's first run then called
         cudaMalloc 0 times (2-4 before). A cache too small for these steps is left alone."""
-        plans, num_blocks = self.largest_steps()
+        plans, num_blocks = self.start_up_steps()
         if num_blocks <= self.num_kv_blocks:
             for plan in plans:
                 self.execute(plan)

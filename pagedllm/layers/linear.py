@@ -32,6 +32,17 @@ def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) ->
     param.data.copy_(loaded.read())
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA, a product with only a few rows of x (a small decode step) goes to the skinny-GEMM kernel,
+    which streams the weights faster than cuBLAS's kernels for such shapes (kernels/skinny_gemm.py)."""
+    if x.is_cuda:
+        from pagedllm.kernels import skinny_gemm  # imports Triton: only on CUDA
+
+        if skinny_gemm.takes(x, weight):
+            return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -44,7 +55,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -120,5 +131,5 @@ class RowParallelLinear(LinearBase):
         copy_weight(param, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

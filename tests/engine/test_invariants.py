@@ -81,7 +81,7 @@ def test_start_up_steps_on_the_real_cache_change_nothing(llama_dir, prompts, bas
         tensor.normal_(std=100.0)
     garbage = worker.kv_cache.keys.clone()
     worker.refill_allocator()
-    _, num_written = worker.largest_steps()
+    _, num_written = worker.start_up_steps()
     assert not torch.equal(worker.kv_cache.keys[:, :num_written], garbage[:, :num_written])  # the steps ran there
     assert greedy_tokens(llm, prompts) == baseline
     assert_no_block_held(llm)

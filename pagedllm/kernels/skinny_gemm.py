@@ -1,0 +1,149 @@
+"""y = x W^T (+ bias) for a few rows of x (M <= 16): decode steps of small batches, where the weights are the bytes.
+
+One program owns BLOCK_N output features and a slice of K: it streams its [BLOCK_N, K slice] of W once, in 16-byte
+rows along K, and multiplies the x rows (padded to 16 for the tensor cores, masked) into a float32 accumulator. With
+few output features (o_proj, down_proj) K is split so that every multiprocessor has work; each split writes float32
+partial sums and a second kernel adds them in split order (deterministic: no atomics) with the bias, in W's dtype.
+
+cuBLAS's kernels for such shapes moved the weights at 0.8-1.6 TB/s on the H200 (Qwen3-0.6B shape, one sequence:
+0.83 ms of GEMMs per step where the weights need 0.29 ms at the copy bandwidth; benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
+ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMM", "1") != "0"
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [num_rows, K]
+    w_ptr,  # [N, K], rows contiguous
+    bias_ptr,  # [N] (HAS_BIAS only)
+    out_ptr,  # [num_rows, N] when SPLIT_K == 1, else float32 partials [SPLIT_K, num_rows, N]
+    num_rows,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_out,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, 16)
+    features = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, feature_ok = rows < num_rows, features < N
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + features[:, None] * stride_w + ks[None, :], mask=feature_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc)
+    mask = row_ok[:, None] & feature_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_out + features[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        partial = out_ptr + (pid_k * num_rows + rows[:, None]) * N + features[None, :]
+        tl.store(partial, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _sum_splits_kernel(
+    partial_ptr,  # [SPLIT_K, num_rows, N] float32
+    bias_ptr,
+    out_ptr,  # [num_rows, N]
+    num_rows,
+    N,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    features = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = features < N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):  # in split order: the same sum on every run
+        total += tl.load(partial_ptr + (split * num_rows + row) * N + features, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + features, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + features, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def num_multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count works; the H200's, so that CPU tests take the GPU's split choices
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs_wanted: int, max_split: int = 8) -> int:
+    """The fewest K splits that give programs_wanted programs, keeping at least two BLOCK_K steps per split."""
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < programs_wanted and split < max_split and k // (2 * split * 2) >= block_k:
+        split *= 2
+    return split
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block_n: int = 32,
+    block_k: int = 128,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of at most MAX_ROWS rows, weight [N, K] with contiguous rows."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    if split_k is None:
+        split_k = choose_split_k(n, k, block_n, block_k, num_multiprocessors(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    target = out if split_k == 1 else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, bias if bias is not None else weight, target, num_rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), k_per_split, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
+            target, bias if bias is not None else weight, out, num_rows, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear() sends this product to skinny_linear: CUDA, 16-bit, at most MAX_ROWS rows of x."""
+    return (
+        ENABLED
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )

@@ -1,0 +1,72 @@
+"""The skinny-GEMM kernel compiled on a CUDA GPU (run there: `pytest -m gpu tests/kernels`): the projections of
+Qwen3-0.6B, TinyLlama-1.1B and Llama-3.2-1B at 1 to 16 rows, bf16 and fp16, against float64, the same bits on
+every call and inside a CUDA graph. Timings: benchmarks/skinny_gemm.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
+]
+
+# (N, K) of qkv, o, gate_up, down for each shape
+SHAPES = {
+    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],
+    "tinyllama-1.1b": [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)],
+    "llama3.2-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+}
+ROWS = (1, 3, 8, 16)
+TOLERANCE = 1e-2  # relative error against float64: a 16-bit output rounds by up to 2^-8 (bf16) alone
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((out.double() - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_model_projections_equal_the_float64_product(shape: str, dtype: torch.dtype) -> None:
+    from pagedllm.kernels.skinny_gemm import skinny_linear
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in SHAPES[shape]:
+        weight = (torch.randn(n, k, device="cuda", generator=generator) / k**0.5).to(dtype)
+        bias = torch.randn(n, device="cuda", generator=generator).to(dtype)
+        for rows in ROWS:
+            x = torch.randn(rows, k, device="cuda", generator=generator).to(dtype)
+            for b in (None, bias):
+                reference = x.double() @ weight.double().T + (0 if b is None else b.double())
+                out = skinny_linear(x, weight, b)
+                assert relative_error(out, reference) < TOLERANCE, (n, k, rows, b is not None)
+                assert torch.equal(out, skinny_linear(x, weight, b))
+                # no worse than cuBLAS's own product in the same dtype, by more than rounding
+                assert relative_error(out, reference) < 2 * relative_error(F.linear(x, weight, b), reference) + 1e-3
+
+
+def test_linear_takes_the_kernel_for_few_rows_and_cublas_for_many() -> None:
+    from pagedllm.kernels.skinny_gemm import MAX_ROWS, takes
+
+    weight = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    assert takes(torch.randn(MAX_ROWS, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert not takes(torch.randn(MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert not takes(torch.randn(4, 128, device="cuda"), weight.float())  # float32: cuBLAS
+
+
+def test_the_kernel_replays_in_a_cuda_graph() -> None:
+    from pagedllm.kernels.skinny_gemm import skinny_linear
+
+    weight = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) / 50
+    x = torch.randn(4, 3072, device="cuda", dtype=torch.bfloat16)
+    eager = skinny_linear(x, weight)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear(x, weight)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, skinny_linear(x, weight))
+    assert not torch.equal(captured, eager)
