@@ -18,6 +18,12 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
+# linear() sends a product here only where the H200 measured it faster than cuBLAS (benchmarks/skinny_gemm.py,
+# whole-step graphs of every layer's projections): Qwen3-0.6B's, all at most 6.3M weights, at 1 row (628 vs 818 us)
+# and 4 rows (695 vs 747), but not at 16 (707 vs 651); TinyLlama-1.1B's and Llama-3.2-1B's, whose gate_up and down
+# hold 11.5-33.6M weights, were 3-5% slower at every row count.
+DISPATCH_MAX_ROWS = 4
+DISPATCH_MAX_WEIGHTS = 1 << 23
 ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMM", "1") != "0"
 
 
@@ -135,13 +141,18 @@ def skinny_linear(
     return out
 
 
+def beats_cublas(num_rows: int, weight: torch.Tensor) -> bool:
+    """Few rows and a small weight: where the kernel was measured faster than cuBLAS (DISPATCH_MAX_ROWS above)."""
+    return num_rows <= DISPATCH_MAX_ROWS and weight.numel() <= DISPATCH_MAX_WEIGHTS
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear() sends this product to skinny_linear: CUDA, 16-bit, at most MAX_ROWS rows of x."""
+    """Whether linear() sends this product to skinny_linear: CUDA, 16-bit, where it beats cuBLAS."""
     return (
         ENABLED
         and x.is_cuda
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and beats_cublas(x.shape[0], weight)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1

@@ -75,6 +75,18 @@ def test_the_split_choice_fills_the_gpu_without_thin_splits() -> None:
     assert choose_split_k(64, 128, 32, 128, 132) == 1
 
 
+def test_only_few_rows_and_small_weights_leave_cublas() -> None:
+    """The dispatch follows the H200's measurements: every Qwen3-0.6B projection at up to 4 rows; not 16 rows, nor
+    TinyLlama's gate_up (11264 x 2048) or Llama-3.2-1B's down (2048 x 8192)."""
+    from pagedllm.kernels.skinny_gemm import beats_cublas
+
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
+        weight = torch.empty(n, k, device="meta")
+        assert beats_cublas(1, weight) and beats_cublas(4, weight) and not beats_cublas(16, weight)
+    assert not beats_cublas(1, torch.empty(11264, 2048, device="meta"))
+    assert not beats_cublas(1, torch.empty(2048, 8192, device="meta"))
+
+
 def test_linear_on_cpu_is_torch_linear() -> None:
     """The kernel runs on CUDA only; elsewhere linear() is F.linear, bit for bit."""
     generator = torch.Generator().manual_seed(0)

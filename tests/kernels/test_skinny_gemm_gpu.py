@@ -49,11 +49,11 @@ def test_model_projections_equal_the_float64_product(shape: str, dtype: torch.dt
 
 
 def test_linear_takes_the_kernel_for_few_rows_and_cublas_for_many() -> None:
-    from pagedllm.kernels.skinny_gemm import MAX_ROWS, takes
+    from pagedllm.kernels.skinny_gemm import DISPATCH_MAX_ROWS, takes
 
     weight = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-    assert takes(torch.randn(MAX_ROWS, 128, device="cuda", dtype=torch.bfloat16), weight)
-    assert not takes(torch.randn(MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert takes(torch.randn(DISPATCH_MAX_ROWS, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert not takes(torch.randn(DISPATCH_MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16), weight)
     assert not takes(torch.randn(4, 128, device="cuda"), weight.float())  # float32: cuBLAS
 
 
