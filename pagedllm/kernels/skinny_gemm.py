@@ -19,10 +19,12 @@ import triton.language as tl
 
 MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
 # linear() sends a product here only where the H200 measured it faster than cuBLAS (benchmarks/skinny_gemm.py,
-# whole-step graphs of every layer's projections): Qwen3-0.6B's, all at most 6.3M weights, at 1 row (628 vs 818 us)
-# and 4 rows (695 vs 747), but not at 16 (707 vs 651); TinyLlama-1.1B's and Llama-3.2-1B's, whose gate_up and down
-# hold 11.5-33.6M weights, were 3-5% slower at every row count.
+# whole-step graphs of every layer's projections): Qwen3-0.6B's (hidden size 1024: each weight has a side of 1024,
+# and at most 6.3M values) at 1 row (622 vs 817 us) and 4 rows (692 vs 742), but not at 16 (707 vs 651).
+# TinyLlama-1.1B's and Llama-3.2-1B's (hidden size 2048) were 2-5% slower at 1 and 4 rows, whether the kernel took
+# every projection or only those of at most 8M values.
 DISPATCH_MAX_ROWS = 4
+DISPATCH_MAX_SIDE = 1024
 DISPATCH_MAX_WEIGHTS = 1 << 23
 ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMM", "1") != "0"
 
@@ -142,8 +144,12 @@ def skinny_linear(
 
 
 def beats_cublas(num_rows: int, weight: torch.Tensor) -> bool:
-    """Few rows and a small weight: where the kernel was measured faster than cuBLAS (DISPATCH_MAX_ROWS above)."""
-    return num_rows <= DISPATCH_MAX_ROWS and weight.numel() <= DISPATCH_MAX_WEIGHTS
+    """Few rows and a small, narrow weight: where the kernel was measured faster than cuBLAS (DISPATCH_MAX_ROWS)."""
+    return (
+        num_rows <= DISPATCH_MAX_ROWS
+        and min(weight.shape) <= DISPATCH_MAX_SIDE
+        and weight.numel() <= DISPATCH_MAX_WEIGHTS
+    )
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -76,15 +76,15 @@ def test_the_split_choice_fills_the_gpu_without_thin_splits() -> None:
 
 
 def test_only_few_rows_and_small_weights_leave_cublas() -> None:
-    """The dispatch follows the H200's measurements: every Qwen3-0.6B projection at up to 4 rows; not 16 rows, nor
-    TinyLlama's gate_up (11264 x 2048) or Llama-3.2-1B's down (2048 x 8192)."""
+    """The dispatch follows the H200's measurements: every Qwen3-0.6B projection at up to 4 rows, but not at 16 rows;
+    none of TinyLlama-1.1B's or Llama-3.2-1B's (hidden size 2048), small (qkv, o) or large (gate_up, down)."""
     from pagedllm.kernels.skinny_gemm import beats_cublas
 
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
         weight = torch.empty(n, k, device="meta")
         assert beats_cublas(1, weight) and beats_cublas(4, weight) and not beats_cublas(16, weight)
-    assert not beats_cublas(1, torch.empty(11264, 2048, device="meta"))
-    assert not beats_cublas(1, torch.empty(2048, 8192, device="meta"))
+    for n, k in [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (3072, 2048), (16384, 2048), (2048, 8192)]:
+        assert not beats_cublas(1, torch.empty(n, k, device="meta")), (n, k)
 
 
 def test_linear_on_cpu_is_torch_linear() -> None:
