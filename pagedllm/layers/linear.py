@@ -33,8 +33,8 @@ def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) ->
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA, a product with only a few rows of x (a small decode step) goes to the skinny-GEMM kernel,
-    which streams the weights faster than cuBLAS's kernels for such shapes (kernels/skinny_gemm.py)."""
+    """F.linear; on CUDA, a product of a few rows of x (a small decode step) by a narrow weight goes to the
+    skinny-GEMM kernel, where it was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py)."""
     if x.is_cuda:
         from pagedllm.kernels import skinny_gemm  # imports Triton: only on CUDA
 
