@@ -111,55 +111,53 @@ def report(label: str, before, after) -> None:
 
 
 class StepClock:
-    """Each step's host duration (from the previous step's tokens reaching the host to its own) and its size, so
-    that run 0's steps can be set against the same steps of a later run (the schedule is deterministic); and the
-    host phases of each step, for --steps-json (where the host waited for the device, and where it worked)."""
+    """Each step's size and host duration (from the previous step's tokens reaching the host to its own), so that run
+    0's steps can be set against the same steps of a later run (the schedule is deterministic), and the host phases
+    within it, for --steps-json (where the host waited for the device, and where it worked)."""
 
     def __init__(self):
-        self.steps: list[tuple[int, int, float, float]] = []  # (prefill tokens, sequences, seconds, device ms)
-        self.phases: list[dict] = []
+        self.steps: list[dict] = []
         self.previous = time.perf_counter()  # made just before its run starts
 
     def add(self, record) -> None:
         device_ms = record.events.forward_ms() + record.events.sampling_ms() if record.events else float("nan")
-        self.steps.append((record.num_prefill_tokens, record.num_seqs, record.resolved_at - self.previous, device_ms))
-        self.previous = record.resolved_at
-        self.phases.append(
+        self.steps.append(
             {
                 "prefill_tokens": record.num_prefill_tokens,
                 "seqs": record.num_seqs,
+                "host_ms": 1e3 * (record.resolved_at - self.previous),
                 "schedule_ms": 1e3 * (record.batched_at - record.scheduled_at),
                 "plan_ms": 1e3 * (record.planned_at - record.batched_at),
                 "launch_ms": 1e3 * (record.launched_at - record.planned_at),
                 "wait_ms": 1e3 * (record.resolved_at - record.resolve_started_at),  # the host waiting for tokens
-                "resolved_at": record.resolved_at,
                 "device_ms": device_ms,
             }
         )
+        self.previous = record.resolved_at
 
 
 def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
     """Where run 0 lost time: the steps it took longer than the later run, largest first."""
     pairs = list(zip(first.steps, later.steps))
-    excess = [(a[2] - b[2], index, a, b) for index, (a, b) in enumerate(pairs)]
-    prefill = sum(e for e, _, a, _ in excess if a[0])
-    decode = sum(e for e, _, a, _ in excess if not a[0])
-    device = [sum(step[3] for step in steps if step[0]) for steps in (first.steps, later.steps)]
+    excess = [(a["host_ms"] - b["host_ms"], index, a, b) for index, (a, b) in enumerate(pairs)]
+    prefill = sum(e for e, _, a, _ in excess if a["prefill_tokens"])
+    decode = sum(e for e, _, a, _ in excess if not a["prefill_tokens"])
+    device = [sum(s["device_ms"] for s in steps if s["prefill_tokens"]) for steps in (first.steps, later.steps)]
     print(
-        f"run 0 vs run 1, {len(pairs)} steps: prefill steps {1e3 * prefill:+.0f} ms, decode steps "
-        f"{1e3 * decode:+.0f} ms; device time of the prefill steps {device[0]:.0f} vs {device[1]:.0f} ms"
+        f"run 0 vs run 1, {len(pairs)} steps: prefill steps {prefill:+.0f} ms, decode steps {decode:+.0f} ms; "
+        f"device time of the prefill steps {device[0]:.0f} vs {device[1]:.0f} ms"
     )
-    decode_excess = sorted(1e3 * e for e, _, a, _ in excess if not a[0])
+    decode_excess = sorted(e for e, _, a, _ in excess if not a["prefill_tokens"])
     if decode_excess:
         quartiles = [decode_excess[int(q * (len(decode_excess) - 1))] for q in (0.1, 0.25, 0.5, 0.75, 0.9)]
         # Spread evenly (every step a little slower: the device) or a few large ones (one-time stalls)?
         print(
             "    decode steps' excess, ms (10/25/50/75/90th percentile): " + " / ".join(f"{q:+.3f}" for q in quartiles)
         )
-    for _, index, a, b in sorted(excess, reverse=True)[:top]:
+    for _, index, a, b in sorted(excess, key=lambda item: item[:2], reverse=True)[:top]:
         print(
-            f"    step {index}: {a[0]} prefill tokens, {a[1]} seqs: {1e3 * a[2]:.1f} ms vs {1e3 * b[2]:.1f} ms "
-            f"(device {a[3]:.1f} vs {b[3]:.1f} ms)"
+            f"    step {index}: {a['prefill_tokens']} prefill tokens, {a['seqs']} seqs: {a['host_ms']:.1f} ms vs "
+            f"{b['host_ms']:.1f} ms (device {a['device_ms']:.1f} vs {b['device_ms']:.1f} ms)"
         )
 
 
@@ -220,7 +218,7 @@ def main() -> None:
     if len(clocks) > 1:
         compare_steps(clocks[0], clocks[1])
     if args.steps_json:
-        Path(args.steps_json).write_text(json.dumps([clock.phases for clock in clocks]))
+        Path(args.steps_json).write_text(json.dumps([clock.steps for clock in clocks]))
     # Fresh shapes after the runs, as a server sees them: batches of new prompts of sizes the runs never had.
     rng = random.Random(1)
     for num_prompts, length in ((1, 77), (8, 128), (16, 128), (13, 300)):
