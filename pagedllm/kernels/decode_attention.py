@@ -18,6 +18,9 @@ from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padd
 
 DEFAULT_BLOCK_N = 64
 WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: K/V tiles of all stages stay within shared memory (untuned)
+# head_dim 64, 16-bit cache (TinyLlama's 32:4 heads, 256 sequences of 100..2048 tokens, H200): 128-key tiles took
+# 96.7 us against 101.0 with 64 (kernels.py --splits-sweep, session 8).
+NARROW_HEAD_BLOCK_N = 128
 # fp8 cache, bf16 model, head_dim 128: the best of kernels.py --fp8-sweep on the H200 (272 us against 348 us with
 # the bf16 defaults at 256 x 1024 tokens; 298 against 391 on mixed lengths). Other cases keep the defaults (not
 # swept; a float32 model keeps float32 dots).
@@ -27,6 +30,13 @@ FP8_HEAD_128_CONFIG = dict(block_n=128, num_stages=3, fp8_via_f16=True)
 # layer on short ones. Only batches of up to 4 sequences (at 8 KV heads) reach the cap.
 MAX_SPLITS = 32
 MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV head's query heads are padded up to this
+
+
+def default_block_n(dim_pad: int, fp8: bool) -> int:
+    """Keys per tile for a padded head size when no tuned config applies."""
+    if dim_pad > 128:
+        return WIDE_HEAD_BLOCK_N
+    return NARROW_HEAD_BLOCK_N if dim_pad == 64 and not fp8 else DEFAULT_BLOCK_N
 
 
 @triton.jit
@@ -173,7 +183,7 @@ def decode_attention(
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
     tuned = FP8_HEAD_128_CONFIG if fp8 and head_dim == 128 and query.dtype == torch.bfloat16 else {}
-    block_n = block_n or tuned.get("block_n") or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N)
+    block_n = block_n or tuned.get("block_n") or default_block_n(dim_pad, fp8)
     num_stages = num_stages or tuned.get("num_stages", 3)
     fp8_via_f16 = dots_in_f16(fp8, tuned.get("fp8_via_f16", False) if fp8_via_f16 is None else fp8_via_f16, query.dtype)
     if out is None:
