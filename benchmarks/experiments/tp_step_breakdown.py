@@ -4,9 +4,10 @@ installed in each rank's process.
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/experiments/tp_step_breakdown.py \
         --checkpoint /tmp/pagedllm-bench/tinyllama-1.1b
 
-Rank 0: time inside send_plan (it waits until rank 1 takes the plan), inside Worker.execute (queueing the step),
-and the rest of engine.step (scheduling, sampling launch, waiting for the step's tokens, outputs). Rank 1: time
-waiting in receive_plan and inside Worker.execute. Then nano-vllm's workload once, timed as `pagedllm bench`.
+Rank 0: time inside send_plan (queueing the plan's broadcasts, after the previous plan's have completed),
+inside Worker.execute (queueing the step), and the rest of engine.step (scheduling, sampling launch, waiting for
+the step's tokens, outputs). Rank 1: time waiting in receive_plan and inside Worker.execute. Then nano-vllm's
+workload once, timed as `pagedllm bench`.
 torchrun sets OMP_NUM_THREADS=1 unless the environment sets it.
 """
 
@@ -15,17 +16,18 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-import pagedllm.executor.distributed_executor as distributed_executor
 import pagedllm.executor.ranks as ranks
+from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.worker import Worker
 
-TOTALS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+TIMES: dict[str, list[float]] = defaultdict(list)
 
 
 def timed(name, function):
@@ -34,22 +36,24 @@ def timed(name, function):
         try:
             return function(*args, **kwargs)
         finally:
-            total = TOTALS[name]
-            total[0] += time.perf_counter() - start
-            total[1] += 1
+            TIMES[name].append(time.perf_counter() - start)
 
     return wrapper
 
 
 def report() -> None:
+    """Mean and median per call: rank 1's calls include start-up (compilation, waiting for rank 0 to load), which
+    the median leaves out."""
     rank = os.environ.get("RANK", "0")
-    lines = [
-        f"rank {rank}: " + ", ".join(f"{name} {1e3 * s / max(n, 1):.3f} ms x {n}" for name, (s, n) in TOTALS.items())
+    parts = [
+        f"{name} mean {1e3 * statistics.fmean(times):.3f} / median {1e3 * statistics.median(times):.3f} ms"
+        f" x {len(times)}"
+        for name, times in TIMES.items()
     ]
-    print("\n".join(lines), flush=True)
+    print(f"rank {rank}: " + ", ".join(parts), flush=True)
 
 
-distributed_executor.send_plan = timed("send_plan", distributed_executor.send_plan)
+PlanSender.send = timed("send_plan", PlanSender.send)
 ranks.receive_plan = timed("receive_plan", ranks.receive_plan)
 Worker.execute = timed("worker.execute", Worker.execute)
 atexit.register(report)
@@ -70,7 +74,7 @@ def main() -> None:
     engine.step = timed("engine.step", engine.step)
     prompts, output_lens = nano_vllm_workload(args.num_seqs)
     timed_run(llm, prompts[:8], [16] * 8)
-    TOTALS.clear()
+    TIMES.clear()
     run = timed_run(llm, prompts, output_lens)
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} torch threads {torch.get_num_threads()}: "
@@ -79,7 +83,7 @@ def main() -> None:
         flush=True,
     )
     report()
-    TOTALS.clear()
+    TIMES.clear()
     llm.shutdown()
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
-from pagedllm.executor.plan_broadcast import send_plan, send_shutdown
+from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
     STOP_TIMEOUT_S,
     SpawnedRanks,
@@ -31,7 +31,6 @@ from pagedllm.executor.ranks import (
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.executor.worker import Worker
-from pagedllm.layers.parallel_state import TensorParallelGroup
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
@@ -94,7 +93,8 @@ class DistributedExecutor:
             self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)
-        self.finalizer = weakref.finalize(self, end_group, self.worker, self.tp, self.ranks, self.state)
+        self.sender = PlanSender(self.tp.host_group)
+        self.finalizer = weakref.finalize(self, end_group, self.worker, self.sender, self.ranks, self.state)
         logger.info(
             "tensor parallelism: %d ranks on %s; weights per rank: %s MiB", size, device.type,
             ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
@@ -138,7 +138,7 @@ class DistributedExecutor:
             raise RuntimeError("this LLM's tensor-parallel ranks have ended (shutdown() or an earlier failure)")
         self.raise_if_rank_died()
         try:
-            send_plan(plan, self.tp.host_group)
+            self.sender.send(plan)
             output = self.worker.execute(plan, previous)
         except BaseException as error:
             self.fail(error)
@@ -153,7 +153,7 @@ class DistributedExecutor:
         """End the group after an error on rank 0 or another rank, and raise what went wrong where."""
         failure = self.ranks.failure(wait_s=2.0) if self.ranks is not None else None
         self.state.failed = True
-        end_group(getattr(self, "worker", None), getattr(self, "tp", None), self.ranks, self.state)
+        end_group(getattr(self, "worker", None), getattr(self, "sender", None), self.ranks, self.state)
         if failure is None or isinstance(error, KeyboardInterrupt):
             raise error
         raise RuntimeError(failure) from error
@@ -164,17 +164,15 @@ class DistributedExecutor:
             self.finalizer()
 
 
-def end_group(
-    worker: Worker | None, tp: TensorParallelGroup | None, ranks: SpawnedRanks | None, state: GroupState
-) -> None:
+def end_group(worker: Worker | None, sender: PlanSender | None, ranks: SpawnedRanks | None, state: GroupState) -> None:
     if state.ended:
         return
     state.ended = True
     if ranks is not None:
         ranks.stopping = True  # from now on a rank that exits was asked to
-    if not state.failed and tp is not None:
+    if not state.failed and sender is not None:
         try:
-            send_shutdown(tp.host_group)
+            sender.send_shutdown()
         except RuntimeError:  # a rank is gone: the others are stopped below
             state.failed = True
     if worker is not None:

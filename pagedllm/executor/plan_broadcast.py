@@ -1,6 +1,10 @@
 """Rank 0 hands each step's plan to the other tensor-parallel ranks with two torch.distributed broadcasts on a CPU
 (gloo) group: a fixed-size header of lengths and flags, then every array of the plan end to end in one int64 tensor.
 Nothing is pickled. The other ranks get no sampling arrays: only rank 0 samples.
+
+Rank 0 does not wait for the broadcasts: gloo's own thread sends them while rank 0 runs its shard of the same step
+(a gloo broadcast returns only once every rank has posted its receive, which would tie rank 0's host to the other
+ranks' host loops). The receivers take each plan in order; broadcasts are matched by their sequence in the group.
 """
 
 from __future__ import annotations
@@ -61,15 +65,31 @@ def unpack_plan(header: list[int], payload: np.ndarray) -> StepPlan:
     )
 
 
-def send_plan(plan: StepPlan, group: dist.ProcessGroup) -> None:
-    for tensor in pack_plan(plan):
-        dist.broadcast(tensor, src=0, group=group)
+class PlanSender:
+    """Rank 0's side. Invariant: at most one plan's broadcasts are in flight, and their tensors stay referenced
+    here until they complete (gloo reads them from its thread)."""
 
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
 
-def send_shutdown(group: dist.ProcessGroup) -> None:
-    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-    header[0] = SHUT_DOWN
-    dist.broadcast(header, src=0, group=group)
+    def send(self, plan: StepPlan) -> None:
+        """Queue the plan's broadcasts and return at once (after the previous plan's have completed)."""
+        self.wait()
+        self.in_flight = [(dist.broadcast(tensor, src=0, group=self.group, async_op=True), tensor)
+                          for tensor in pack_plan(plan)]  # fmt: skip
+
+    def wait(self) -> None:
+        """Until the plan in flight has reached every rank; raises if a rank is gone."""
+        in_flight, self.in_flight = self.in_flight, []
+        for work, _ in in_flight:
+            work.wait()
+
+    def send_shutdown(self) -> None:
+        self.wait()
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header[0] = SHUT_DOWN
+        dist.broadcast(header, src=0, group=self.group)
 
 
 def receive_plan(group: dist.ProcessGroup) -> StepPlan | None:

@@ -54,3 +54,49 @@ def test_unpacked_plan_equals_the_packed_one(num_new_tokens, width, placeholders
     for name in ("step_id", "max_query_len", "max_seq_len", "decode_only"):
         assert getattr(received, name) == getattr(plan, name), name
     assert received.sampling is None  # only rank 0 samples
+
+
+RECEIVER_DELAY_S = 3.0
+
+
+def plan_sender_ranks(rank: int, store_path: str, results) -> None:
+    """Rank 0 sends three plans and the shutdown while rank 1 starts receiving only after RECEIVER_DELAY_S."""
+    import time
+
+    import torch.distributed as dist
+
+    from pagedllm.executor.plan_broadcast import PlanSender, receive_plan
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    plans = [make_plan([3, 1], 2, [1], 1), make_plan([1, 1, 1], 4, [], 0), make_plan([7], 1, [0], 2)]
+    for step_id, plan in enumerate(plans):
+        plan.step_id = step_id
+    if rank == 0:
+        sender = PlanSender(dist.group.WORLD)
+        start = time.perf_counter()
+        sender.send(plans[0])
+        results["first_send_s"] = time.perf_counter() - start
+        for plan in plans[1:]:
+            sender.send(plan)
+        sender.send_shutdown()
+    else:
+        time.sleep(RECEIVER_DELAY_S)
+        received = []
+        while (plan := receive_plan(dist.group.WORLD)) is not None:
+            received.append(plan)
+        results["received"] = [(plan.step_id, *(getattr(plan, name).tolist() for name in ARRAYS)) for plan in received]
+        results["expected"] = [(plan.step_id, *(getattr(plan, name).tolist() for name in ARRAYS)) for plan in plans]
+    dist.destroy_process_group()
+
+
+def test_plan_sender_does_not_wait_for_the_receivers_and_keeps_the_order(tmp_path):
+    """Rank 0 goes on while the other ranks are still busy (gloo's thread sends); every plan arrives, in order,
+    then the shutdown."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(plan_sender_ranks, args=(str(tmp_path / "store"), results), nprocs=2)
+        assert results["first_send_s"] < RECEIVER_DELAY_S / 2
+        assert results["received"] == results["expected"]
