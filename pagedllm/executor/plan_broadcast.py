@@ -1,5 +1,7 @@
 """Rank 0 hands each step's plan to the other tensor-parallel ranks with two torch.distributed broadcasts on a CPU
-(gloo) group: a fixed-size header of lengths and flags, then every array of the plan end to end in one int64 tensor.
+(gloo) group: a fixed-size header of lengths and flags, then every array of the plan end to end in one int32 tensor
+(every value fits: token ids, positions, slots and block ids are all far below 2^31; half the bytes of int64, and
+the block tables, most of a decode plan, need no conversion on arrival).
 Nothing is pickled. The other ranks get no sampling arrays: only rank 0 samples.
 
 Rank 0 does not wait for the broadcasts: gloo's own thread sends them while rank 0 runs its shard of the same step
@@ -22,7 +24,7 @@ HEADER_SIZE = 12
 
 
 def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a plan: int64 tensors, the header HEADER_SIZE long."""
+    """(header, payload) of a plan: an int64 header HEADER_SIZE long and an int32 payload."""
     num_seqs, table_width = plan.block_tables.shape
     header = [RUN_STEP, plan.step_id, plan.num_tokens, num_seqs, table_width, plan.num_sampled,
               len(plan.placeholder_rows), len(plan.prompt_logprob_rows), len(plan.block_copies), plan.max_query_len,
@@ -30,7 +32,7 @@ def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     arrays = (plan.input_ids, plan.positions, plan.slot_mapping, plan.query_start_loc, plan.seq_lens,
               plan.block_tables.ravel(), plan.sample_rows, plan.placeholder_rows, plan.placeholder_sources,
               plan.prompt_logprob_rows, plan.block_copies.ravel())  # fmt: skip
-    return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays, dtype=np.int64))
+    return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays, dtype=np.int32))
 
 
 def array_lengths(header: list[int]) -> list[int]:
@@ -47,21 +49,21 @@ def unpack_plan(header: list[int], payload: np.ndarray) -> StepPlan:
     input_ids, positions, slots, query_start, seq_lens, tables, sample_rows, rows, sources, prompt_rows, copies = arrays
     return StepPlan(
         step_id=step_id,
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slots,
-        query_start_loc=query_start.astype(np.int32),
-        seq_lens=seq_lens.astype(np.int32),
-        block_tables=tables.astype(np.int32).reshape(num_seqs, width),
-        sample_rows=sample_rows,
+        input_ids=input_ids.astype(np.int64),
+        positions=positions.astype(np.int64),
+        slot_mapping=slots.astype(np.int64),
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=tables.reshape(num_seqs, width),
+        sample_rows=sample_rows.astype(np.int64),
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         decode_only=bool(decode_only),
-        placeholder_rows=rows,
-        placeholder_sources=sources,
+        placeholder_rows=rows.astype(np.int64),
+        placeholder_sources=sources.astype(np.int64),
         sampling=None,
-        prompt_logprob_rows=prompt_rows,
-        block_copies=copies.reshape(-1, 2),
+        prompt_logprob_rows=prompt_rows.astype(np.int64),
+        block_copies=copies.astype(np.int64).reshape(-1, 2),
     )
 
 
@@ -100,6 +102,6 @@ def receive_plan(group: dist.ProcessGroup) -> StepPlan | None:
     if fields[0] == SHUT_DOWN:
         return None
     assert fields[0] == RUN_STEP, f"unknown plan command {fields[0]}"
-    payload = torch.empty(sum(array_lengths(fields)), dtype=torch.int64)
+    payload = torch.empty(sum(array_lengths(fields)), dtype=torch.int32)
     dist.broadcast(payload, src=0, group=group)
     return unpack_plan(fields, payload.numpy())
