@@ -1,0 +1,169 @@
+"""What else uses the host while the engine's timed runs go? A sampler process reads /proc every 0.1 s (the machine's
+CPU time by kind, steal and iowait included; dirty and writeback page-cache bytes; every process's CPU time) while
+this process starts an engine and times nano-vllm's workload as `pagedllm bench` does. Per window (start-up, each
+run) it prints: the engine process's CPU use and involuntary context switches, the other processes' CPU use and
+the busiest of them by name, steal, iowait, and the page cache still to be written.
+
+    python benchmarks/experiments/host_noise.py --shape tinyllama-1.1b [--runs 3] [--fresh-checkpoint] [--sync]
+
+--fresh-checkpoint writes the random checkpoint again just before start-up (as a fresh machine's bench does);
+--sync then flushes it to disk before start-up (is the kernel's writeback of it what slows a first run?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> dict[str, int]:
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1 : 1 + len(CPU_KINDS)]
+    return dict(zip(CPU_KINDS, map(int, fields)))
+
+
+def page_cache_mib() -> dict[str, int]:
+    values = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, value = line.split(":")
+            if name in ("Dirty", "Writeback"):
+                values[name.lower()] = int(value.split()[0]) // 1024
+    return values
+
+
+def process_cpu_ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (name, user + system ticks) of every process readable now."""
+    ticks = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                text = stat.read()
+        except OSError:  # ended meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        ticks[int(entry.name)] = (name, int(fields[11]) + int(fields[12]))
+    return ticks
+
+
+def involuntary_switches(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("nonvoluntary_ctxt_switches"):
+                return int(line.split()[1])
+    return 0
+
+
+def sample_forever(engine_pid: int, output: str, interval_s: float) -> None:
+    """The sampler process: one JSON line per interval, until killed."""
+    with open(output, "w") as out:
+        while True:
+            record = {"time": time.time(), "cpu": machine_cpu(), "processes": process_cpu_ticks()}
+            record |= page_cache_mib() | {"engine_switches": involuntary_switches(engine_pid)}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            time.sleep(interval_s)
+
+
+def summarize(samples: list[dict], start: float, end: float, engine_pid: int, sampler_pid: int) -> dict:
+    inside = [s for s in samples if start <= s["time"] <= end]
+    if len(inside) < 2:
+        return {"samples": len(inside)}
+    first, last = inside[0], inside[-1]
+    seconds = last["time"] - first["time"]
+    cpu = {kind: last["cpu"][kind] - first["cpu"][kind] for kind in CPU_KINDS}
+    total = sum(cpu.values()) or 1
+    others = Counter()
+    for pid, (name, ticks) in last["processes"].items():
+        before = first["processes"].get(pid, (name, 0))[1]
+        if int(pid) not in (engine_pid, sampler_pid):
+            others[name] += ticks - before
+    engine = last["processes"].get(str(engine_pid), ("", 0))[1] - first["processes"].get(str(engine_pid), ("", 0))[1]
+    return {
+        "samples": len(inside),
+        "engine_cpu_percent": 100 * engine / TICKS / seconds,
+        "engine_involuntary_switches_per_s": (last["engine_switches"] - first["engine_switches"]) / seconds,
+        "others_cpu_percent": 100 * sum(others.values()) / TICKS / seconds,
+        "busiest_others": [(name, round(100 * ticks / TICKS / seconds)) for name, ticks in others.most_common(3)],
+        "steal_percent": 100 * cpu["steal"] / total,
+        "iowait_percent": 100 * cpu["iowait"] / total,
+        "max_dirty_mib": max(s.get("dirty", 0) for s in inside),
+        "max_writeback_mib": max(s.get("writeback", 0) for s in inside),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="tinyllama-1.1b")
+    parser.add_argument("--checkpoint", help="an existing checkpoint instead of the shape's random one (CPU checks)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--fresh-checkpoint", action="store_true")
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("--output", help="every window's summary as JSON")
+    parser.add_argument("--sample", nargs=2, metavar=("PID", "FILE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sample:
+        sample_forever(int(args.sample[0]), args.sample[1], args.interval)
+        return
+
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+
+    cuda = torch.cuda.is_available()
+    checkpoint = Path(args.checkpoint or f"/tmp/pagedllm-bench/{args.shape}")
+    if args.fresh_checkpoint and not args.checkpoint:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    if not (checkpoint / "config.json").exists():
+        write_random_checkpoint(args.shape, checkpoint, torch.device("cuda" if cuda else "cpu"))
+    if args.sync:
+        os.sync()
+    samples_file = f"/tmp/host_noise_{os.getpid()}.jsonl"
+    sampler = subprocess.Popen([sys.executable, __file__, "--sample", str(os.getpid()), samples_file,
+                                "--interval", str(args.interval)])  # fmt: skip
+    prompts, output_lens = nano_vllm_workload(args.num_seqs)
+    if not cuda:  # a CPU check of this script: a few short requests
+        prompts, output_lens = [prompt[:32] for prompt in prompts[:4]], [4] * 4
+    windows = []
+    try:
+        start = time.time()
+        llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=not cuda)
+        windows.append(("start-up", start, time.time()))
+        timed_run(llm, prompts[:8], [16] * len(prompts[:8]))  # warm-up, as bench
+        for run in range(args.runs):
+            start = time.time()
+            result = timed_run(llm, prompts, output_lens)
+            windows.append((f"run {run} ({result.tokens_per_s:,.0f} tok/s, decode {result.decode_s:.2f} s)",
+                            start, time.time()))  # fmt: skip
+        llm.shutdown()
+    finally:
+        sampler.kill()
+        sampler.wait()
+    with open(samples_file) as lines:
+        samples = [json.loads(line) for line in lines]
+    os.remove(samples_file)
+    summaries = {name: summarize(samples, start, end, os.getpid(), sampler.pid) for name, start, end in windows}
+    for name, summary in summaries.items():
+        print(name, json.dumps(summary), flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(summaries, indent=1))
+
+
+if __name__ == "__main__":
+    main()
