@@ -1,8 +1,8 @@
 """What else uses the host while the engine's timed runs go? A sampler process reads /proc every 0.1 s (the machine's
 CPU time by kind, steal and iowait included; dirty and writeback page-cache bytes; every process's CPU time) while
 this process starts an engine and times nano-vllm's workload as `pagedllm bench` does. Per window (start-up, each
-run) it prints: the engine process's CPU use and involuntary context switches, the other processes' CPU use and
-the busiest of them by name, steal, iowait, and the page cache still to be written.
+run) it prints: the engine process's CPU use, involuntary context switches and minor page faults, the other
+processes' CPU use and the busiest of them by name, steal, iowait, and the page cache still to be written.
 
     python benchmarks/experiments/host_noise.py --shape tinyllama-1.1b [--runs 3] [--fresh-checkpoint] [--sync]
 
@@ -67,12 +67,19 @@ def involuntary_switches(pid: int) -> int:
     return 0
 
 
+def minor_faults(pid: int) -> int:
+    """Page faults served without I/O: the first touch of fresh memory among them."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
+
+
 def sample_forever(engine_pid: int, output: str, interval_s: float) -> None:
     """The sampler process: one JSON line per interval, until killed."""
     with open(output, "w") as out:
         while True:
             record = {"time": time.time(), "cpu": machine_cpu(), "processes": process_cpu_ticks()}
             record |= page_cache_mib() | {"engine_switches": involuntary_switches(engine_pid)}
+            record["engine_minor_faults"] = minor_faults(engine_pid)
             out.write(json.dumps(record) + "\n")
             out.flush()
             time.sleep(interval_s)
@@ -96,6 +103,7 @@ def summarize(samples: list[dict], start: float, end: float, engine_pid: int, sa
         "samples": len(inside),
         "engine_cpu_percent": 100 * engine / TICKS / seconds,
         "engine_involuntary_switches_per_s": (last["engine_switches"] - first["engine_switches"]) / seconds,
+        "engine_minor_faults": last["engine_minor_faults"] - first["engine_minor_faults"],
         "others_cpu_percent": 100 * sum(others.values()) / TICKS / seconds,
         "busiest_others": [(name, round(100 * ticks / TICKS / seconds)) for name, ticks in others.most_common(3)],
         "steal_percent": 100 * cpu["steal"] / total,
