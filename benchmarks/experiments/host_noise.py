@@ -1,8 +1,9 @@
 """What else uses the host while the engine's timed runs go? A sampler process reads /proc every 0.1 s (the machine's
 CPU time by kind, steal and iowait included; dirty and writeback page-cache bytes; every process's CPU time) while
 this process starts an engine and times nano-vllm's workload as `pagedllm bench` does. Per window (start-up, each
-run) it prints: the engine process's CPU use, involuntary context switches and minor page faults, the other
-processes' CPU use and the busiest of them by name, steal, iowait, and the page cache still to be written.
+run) it prints: the engine process's CPU use, involuntary context switches and minor page faults, its busiest
+threads besides the main one, the other processes' CPU use and the busiest of them by name, steal, iowait, and the
+page cache still to be written.
 
     python benchmarks/experiments/host_noise.py --shape tinyllama-1.1b [--runs 3] [--fresh-checkpoint] [--sync]
 
@@ -42,14 +43,14 @@ def page_cache_mib() -> dict[str, int]:
     return values
 
 
-def process_cpu_ticks() -> dict[int, tuple[str, int]]:
-    """pid -> (name, user + system ticks) of every process readable now."""
+def cpu_ticks(folder: str) -> dict[int, tuple[str, int]]:
+    """id -> (name, user + system ticks) of every process (folder /proc) or thread (/proc/PID/task) readable now."""
     ticks = {}
-    for entry in os.scandir("/proc"):
+    for entry in os.scandir(folder):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as stat:
+            with open(f"{folder}/{entry.name}/stat") as stat:
                 text = stat.read()
         except OSError:  # ended meanwhile
             continue
@@ -77,7 +78,8 @@ def sample_forever(engine_pid: int, output: str, interval_s: float) -> None:
     """The sampler process: one JSON line per interval, until killed."""
     with open(output, "w") as out:
         while True:
-            record = {"time": time.time(), "cpu": machine_cpu(), "processes": process_cpu_ticks()}
+            record = {"time": time.time(), "cpu": machine_cpu(), "processes": cpu_ticks("/proc")}
+            record["engine_threads"] = cpu_ticks(f"/proc/{engine_pid}/task")
             record |= page_cache_mib() | {"engine_switches": involuntary_switches(engine_pid)}
             record["engine_minor_faults"] = minor_faults(engine_pid)
             out.write(json.dumps(record) + "\n")
@@ -99,11 +101,19 @@ def summarize(samples: list[dict], start: float, end: float, engine_pid: int, sa
         if int(pid) not in (engine_pid, sampler_pid):
             others[name] += ticks - before
     engine = last["processes"].get(str(engine_pid), ("", 0))[1] - first["processes"].get(str(engine_pid), ("", 0))[1]
+    # Threads of the engine's process besides the main one: each takes the GIL from the host loop while it runs Python.
+    threads = Counter()
+    for tid, (name, ticks) in last["engine_threads"].items():
+        if int(tid) != engine_pid:
+            threads[f"{name} {tid}"] += ticks - first["engine_threads"].get(tid, (name, 0))[1]
     return {
         "samples": len(inside),
         "engine_cpu_percent": 100 * engine / TICKS / seconds,
         "engine_involuntary_switches_per_s": (last["engine_switches"] - first["engine_switches"]) / seconds,
         "engine_minor_faults": last["engine_minor_faults"] - first["engine_minor_faults"],
+        "busiest_engine_threads": [
+            (name, round(100 * ticks / TICKS / seconds)) for name, ticks in threads.most_common(3)
+        ],
         "others_cpu_percent": 100 * sum(others.values()) / TICKS / seconds,
         "busiest_others": [(name, round(100 * ticks / TICKS / seconds)) for name, ticks in others.most_common(3)],
         "steal_percent": 100 * cpu["steal"] / total,
