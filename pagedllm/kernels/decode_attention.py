@@ -8,12 +8,11 @@ to the query's dtype, or to float16 with fp8_via_f16 (off by default; its docstr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.device import multiprocessor_count
 from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padded_head_dim
 
 DEFAULT_BLOCK_N = 64
@@ -145,14 +144,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-@functools.cache
-def _num_multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits for about four programs per multiprocessor; a function of shapes only (graph-safe)."""
-    programs_wanted = 4 * _num_multiprocessors(device)
+    programs_wanted = 4 * multiprocessor_count(device, interpreter_count=4)
     return max(1, min(MAX_SPLITS, triton.cdiv(programs_wanted, num_seqs * num_kv_heads)))
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.device import multiprocessor_count
+
 MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
 # linear() sends a product here only where the H200 measured it faster than cuBLAS (benchmarks/skinny_gemm.py,
 # whole-step graphs of every layer's projections): Qwen3-0.6B's (hidden size 1024: each weight has a side of 1024,
@@ -93,12 +95,6 @@ def _sum_splits_kernel(
     tl.store(out_ptr + row * stride_out + features, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def num_multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any count works; the H200's, so that CPU tests take the GPU's split choices
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs_wanted: int, max_split: int = 8) -> int:
     """The fewest K splits that give programs_wanted programs, keeping at least two BLOCK_K steps per split."""
     tiles = triton.cdiv(n, block_n)
@@ -126,7 +122,8 @@ def skinny_linear(
     if num_rows == 0:
         return out
     if split_k is None:
-        split_k = choose_split_k(n, k, block_n, block_k, num_multiprocessors(x.device))
+        # On CPU the H200's count, so that the interpreter tests take the GPU's split choices
+        split_k = choose_split_k(n, k, block_n, block_k, multiprocessor_count(x.device, interpreter_count=132))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     target = out if split_k == 1 else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
