@@ -153,6 +153,30 @@ def test_greedy_tokens_equal_one_rank(engines):
     assert block_manager.num_free_blocks == block_manager.num_blocks
 
 
+def test_requests_that_stop_at_different_steps_equal_one_rank(engines):
+    """Requests end as users' do, at different steps: their own max_tokens, a stop token met mid-output, or EOS (left
+    on). Under async scheduling (two of the cases) the step in flight still holds rows of requests that just ended,
+    and rank 0 keeps sending plans while the other ranks run: no request may get another's tokens."""
+    reference, parallel = engines
+    prompts = make_prompts(vocab_size(reference), count=9, seed=11)
+    free_run = greedy(reference, prompts)  # 12 tokens each, EOS ignored
+    params = []
+    for index, tokens in enumerate(free_run):
+        if index % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=2 + index))
+        elif index % 3 == 1:
+            params.append(SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[2 + index % 7]]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=12))
+    expected, actual = (llm.generate(prompts, params, use_tqdm=False) for llm in engines)
+    want, got = ([output.outputs[0].token_ids for output in outputs] for outputs in (expected, actual))
+    assert len({len(tokens) for tokens in want}) > 3  # they did stop at different steps
+    assert_same_tokens_or_near_tie(reference, prompts, want, got)
+    for want_output, got_output in zip(expected, actual, strict=True):
+        if want_output.outputs[0].token_ids == got_output.outputs[0].token_ids:
+            assert got_output.outputs[0].finish_reason == want_output.outputs[0].finish_reason
+
+
 def test_seeded_samples_and_logprobs_equal_one_rank(engines):
     """Rank 0 samples from gathered logits: n = 2 (the samples share KV blocks until a copy, on every rank), seeded
     temperature sampling with a penalty, logprobs and prompt logprobs (every rank joins their logits' gathers)."""
