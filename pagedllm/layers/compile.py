@@ -19,7 +19,9 @@ def fuse_on_cuda(function):
     def compiled():  # built on first CUDA use: importing the compiler costs CPU-only runs seconds
         # Every engine in a process (tests build many, with other dtypes and shapes) adds a specialisation.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        return torch.compile(function, dynamic=True, fullgraph=True)
+        # compile_threads 1: inductor compiles in this process and starts no pool of worker processes (a sidecar
+        # importing torch, then one worker per core) that would still be starting when LLM() returns.
+        return torch.compile(function, dynamic=True, fullgraph=True, options={"compile_threads": 1})
 
     @functools.wraps(function)
     def dispatch(x: torch.Tensor, *args):
