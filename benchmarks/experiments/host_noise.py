@@ -3,7 +3,9 @@ CPU time by kind, steal and iowait included; dirty and writeback page-cache byte
 this process starts an engine and times nano-vllm's workload as `pagedllm bench` does. Per window (start-up, each
 run) it prints: the engine process's CPU use, involuntary context switches and minor page faults, its busiest
 threads besides the main one, the other processes' CPU use and the busiest of them by name, steal, iowait, and the
-page cache still to be written.
+page cache still to be written. The sampler also times two fixed pieces of work of its own each interval, a Python
+loop and random reads over 64 MiB: if they slow down with the engine, the whole machine is slower (clock, neighbours);
+if they do not, the slowdown is the engine process's own (its memory, its heap).
 
     python benchmarks/experiments/host_noise.py --shape tinyllama-1.1b [--runs 3] [--fresh-checkpoint] [--sync]
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +41,7 @@ def page_cache_mib() -> dict[str, int]:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             name, value = line.split(":")
-            if name in ("Dirty", "Writeback"):
+            if name in ("Dirty", "Writeback", "AnonHugePages"):
                 values[name.lower()] = int(value.split()[0]) // 1024
     return values
 
@@ -74,11 +77,34 @@ def minor_faults(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[7])
 
 
+def python_loop_us(iterations: int = 20_000) -> float:
+    """A fixed piece of interpreter work, ~1 ms: it takes longer only when this core runs slower."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i
+    return 1e6 * (time.perf_counter() - start)
+
+
+def random_reads_us(table, indices) -> float:
+    """Reads at random places in a 64 MiB table: bound by memory latency and address translation."""
+    start = time.perf_counter()
+    table[indices].sum()
+    return 1e6 * (time.perf_counter() - start)
+
+
 def sample_forever(engine_pid: int, output: str, interval_s: float) -> None:
     """The sampler process: one JSON line per interval, until killed."""
+    import numpy as np
+
+    random = np.random.default_rng(0)
+    table = random.integers(0, 1 << 30, size=(64 << 20) // 8)
+    indices = random.integers(0, len(table), size=100_000)
     with open(output, "w") as out:
         while True:
             record = {"time": time.time(), "cpu": machine_cpu(), "processes": cpu_ticks("/proc")}
+            record["python_loop_us"] = python_loop_us()
+            record["random_reads_us"] = random_reads_us(table, indices)
             record["engine_threads"] = cpu_ticks(f"/proc/{engine_pid}/task")
             record |= page_cache_mib() | {"engine_switches": involuntary_switches(engine_pid)}
             record["engine_minor_faults"] = minor_faults(engine_pid)
@@ -120,6 +146,10 @@ def summarize(samples: list[dict], start: float, end: float, engine_pid: int, sa
         "iowait_percent": 100 * cpu["iowait"] / total,
         "max_dirty_mib": max(s.get("dirty", 0) for s in inside),
         "max_writeback_mib": max(s.get("writeback", 0) for s in inside),
+        "anon_huge_pages_mib": inside[-1].get("anonhugepages", 0),
+        # The sampler's own fixed work (median over the window): the machine's speed, apart from the engine's.
+        "python_loop_us": statistics.median(s["python_loop_us"] for s in inside),
+        "random_reads_us": statistics.median(s["random_reads_us"] for s in inside),
     }
 
 
