@@ -1,0 +1,104 @@
+"""Where one GPU's host time per step goes, part by part, in nano-vllm's workload (one timed run after bench's
+warm-up). `benchmarks/host_step_cost.py` measures the engine's side without a device; this one also times the
+worker's side on the real device: padding the plan, the pinned uploads, the placeholders, the graph launch, the
+logits, the sampler's launches and the copies back, and the wait for a step's tokens.
+
+    python benchmarks/experiments/host_step_breakdown.py --checkpoint /tmp/pagedllm-bench/tinyllama-1.1b
+
+With async scheduling the host prepares step N+1 while the device runs step N; the host sets the pace when its work
+per step (everything below but the wait) is longer than the device's step. Each timer adds a call and two
+clock reads to the part it times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pagedllm.engine.step_pipeline as step_pipeline
+import pagedllm.executor.worker as worker_module
+from pagedllm.engine.step_pipeline import StepPipeline
+from pagedllm.executor.cuda_graphs import DecodeGraphs
+from pagedllm.executor.step_inputs import StepBuffers
+from pagedllm.executor.step_output import StepOutput
+from pagedllm.executor.worker import Worker
+from pagedllm.layers.sampler import Sampler
+from pagedllm.scheduler.scheduler import Scheduler
+
+TIMES: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(name, function):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            TIMES[name].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+# (name, owner, attribute): each is wrapped in place before the engine is built. Nested ones (the worker's parts
+# inside worker.execute) are also counted in their parent.
+PARTS = [
+    ("engine.step", None, None),  # wrapped on the engine instance below
+    ("  schedule", Scheduler, "schedule"),
+    ("  build the plan", step_pipeline, "build_step_plan"),
+    ("  worker.execute", Worker, "execute"),
+    ("    update sampler state", Worker, "update_sampler"),
+    ("    pad the plan", worker_module, "pad_decode_plan"),
+    ("    pinned uploads", StepBuffers, "upload"),
+    ("    placeholders", Worker, "fill_placeholders"),
+    ("    graph launch", DecodeGraphs, "replay"),
+    ("    sampler", Sampler, "__call__"),
+    ("    copies back (StepOutput)", StepOutput, "__init__"),
+    ("  resolve", StepPipeline, "resolve"),
+    ("    wait for the tokens", StepOutput, "token_ids"),
+    ("  advance", Scheduler, "advance"),
+    ("  append placeholders", Scheduler, "append_placeholders"),
+]
+for part_name, owner, attribute in PARTS:
+    if owner is not None:
+        setattr(owner, attribute, timed(part_name, getattr(owner, attribute)))
+
+
+def main() -> None:
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", default="/tmp/pagedllm-bench/tinyllama-1.1b", help="written by pagedllm bench")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    llm = LLM(str(Path(args.checkpoint)), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=not cuda)
+    engine = llm.llm_engine
+    engine.step = timed("engine.step", engine.step)
+    prompts, output_lens = nano_vllm_workload(args.num_seqs)
+    if not cuda:  # a CPU check of this script: a few short requests
+        prompts, output_lens = [prompt[:32] for prompt in prompts[:4]], [4] * 4
+    timed_run(llm, prompts[:8], [16] * len(prompts[:8]))  # warm-up, as bench
+    for run in range(args.runs):
+        TIMES.clear()
+        result = timed_run(llm, prompts, output_lens)
+        steps = len(TIMES["engine.step"])
+        print(f"run {run}: {result.tokens_per_s:,.0f} output tok/s, decode {result.decode_s:.2f} s, {steps} steps")
+        print("| part | calls | total (ms) | per step (ms) | median per call (us) |")
+        print("|---|---|---|---|---|")
+        for part_name, _, _ in PARTS:
+            times = TIMES.get(part_name, [])
+            if times:
+                print(f"| {part_name} | {len(times)} | {1e3 * sum(times):.0f} | {1e3 * sum(times) / steps:.3f} | "
+                      f"{1e6 * statistics.median(times):.0f} |")  # fmt: skip
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
