@@ -54,6 +54,7 @@ PARTS = [
     ("    pinned uploads", StepBuffers, "upload"),
     ("    placeholders", Worker, "fill_placeholders"),
     ("    graph launch", DecodeGraphs, "replay"),
+    ("    logits", None, None),  # wrapped on the model instance below
     ("    sampler", Sampler, "__call__"),
     ("    copies back (StepOutput)", StepOutput, "__init__"),
     ("  resolve", StepPipeline, "resolve"),
@@ -81,6 +82,7 @@ def main() -> None:
     llm = LLM(str(Path(args.checkpoint)), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=not cuda)
     engine = llm.llm_engine
     engine.step = timed("engine.step", engine.step)
+    engine.worker.model.compute_logits = timed("    logits", engine.worker.model.compute_logits)
     prompts, output_lens = nano_vllm_workload(args.num_seqs)
     if not cuda:  # a CPU check of this script: a few short requests
         prompts, output_lens = [prompt[:32] for prompt in prompts[:4]], [4] * 4
