@@ -5,7 +5,8 @@ run) it prints: the engine process's CPU use, involuntary context switches and m
 threads besides the main one, the other processes' CPU use and the busiest of them by name, steal, iowait, and the
 page cache still to be written. The sampler also times two fixed pieces of work of its own each interval, a Python
 loop and random reads over 64 MiB: if they slow down with the engine, the whole machine is slower (clock, neighbours);
-if they do not, the slowdown is the engine process's own (its memory, its heap).
+if they do not, the slowdown is the engine process's own (its memory, its heap). The engine's thread times the same
+loop just before and after each run: slower there too, and its core is slower (clock, a neighbour on the core).
 
     python benchmarks/experiments/host_noise.py --shape tinyllama-1.1b [--runs 3] [--fresh-checkpoint] [--sync]
 
@@ -84,6 +85,12 @@ def python_loop_us(iterations: int = 20_000) -> float:
     for i in range(iterations):
         total += i
     return 1e6 * (time.perf_counter() - start)
+
+
+def own_thread_loop_us(repeats: int = 20) -> float:
+    """The fixed loop in the engine's own thread (median of repeats, ~20 ms), just before and after a run: if it is
+    slower around a slow run, the engine's core runs slower; if not, the engine's own work (its memory) does."""
+    return statistics.median(python_loop_us() for _ in range(repeats))
 
 
 def random_reads_us(table, indices) -> float:
@@ -195,10 +202,12 @@ def main() -> None:
         windows.append(("start-up", start, time.time()))
         timed_run(llm, prompts[:8], [16] * len(prompts[:8]))  # warm-up, as bench
         for run in range(args.runs):
+            own_loop_before = own_thread_loop_us()
             start = time.time()
             result = timed_run(llm, prompts, output_lens)
-            windows.append((f"run {run} ({result.tokens_per_s:,.0f} tok/s, decode {result.decode_s:.2f} s)",
-                            start, time.time()))  # fmt: skip
+            name = (f"run {run} ({result.tokens_per_s:,.0f} tok/s, decode {result.decode_s:.2f} s; this thread's "
+                    f"loop {own_loop_before:.0f} us before, {own_thread_loop_us():.0f} after)")  # fmt: skip
+            windows.append((name, start, time.time()))
         llm.shutdown()
     finally:
         sampler.kill()
