@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections import defaultdict
 from pathlib import Path
+
+from timers import TIMES, timed
 
 import pagedllm.engine.step_pipeline as step_pipeline
 import pagedllm.executor.worker as worker_module
@@ -27,20 +27,6 @@ from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.worker import Worker
 from pagedllm.layers.sampler import Sampler
 from pagedllm.scheduler.scheduler import Scheduler
-
-TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            TIMES[name].append(time.perf_counter() - start)
-
-    return wrapper
-
 
 # (name, owner, attribute): each is wrapped in place before the engine is built. Nested ones (the worker's parts
 # inside worker.execute) are also counted in their parent.

@@ -17,28 +17,14 @@ import argparse
 import atexit
 import os
 import statistics
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
+from timers import TIMES, timed
 
 import pagedllm.executor.ranks as ranks
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.worker import Worker
-
-TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            TIMES[name].append(time.perf_counter() - start)
-
-    return wrapper
 
 
 def report() -> None:
