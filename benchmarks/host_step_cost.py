@@ -5,7 +5,9 @@ work overlaps the device's step (async scheduling); where the device step is sho
     python benchmarks/host_step_cost.py [--num-seqs 256] [--output-len 256] [--profile]
 
 Plans are built as on CUDA (block tables as wide as max_model_len needs). Prints ms per decode step, and with
---profile the functions that take the most time.
+--profile the functions that take the most time. By default there is no tokenizer, as in `pagedllm bench`;
+--with-tokenizer runs the embedded default model's engine instead (its tokenizer, requests as LLM.generate adds
+them), so the output text is made as a user's generate() makes it.
 """
 
 from __future__ import annotations
@@ -49,19 +51,23 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="tottime", help="profile order: tottime or cumulative")
+    parser.add_argument("--with-tokenizer", action="store_true", help="the default model's engine and tokenizer")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as directory:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-        config = LlamaConfig(
-            vocab_size=32000, num_key_value_heads=2, max_position_embeddings=args.max_model_len, **shape
-        )
-        LlamaForCausalLM(config).save_pretrained(directory)
-        total_tokens = args.num_seqs * (args.prompt_len + args.output_len)
-        llm = LLM(directory, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                  num_kv_blocks=total_tokens // 16 + args.num_seqs, async_scheduling=True)  # fmt: skip
+    num_kv_blocks = args.num_seqs * (args.prompt_len + args.output_len) // 16 + args.num_seqs
+    if args.with_tokenizer:
+        llm = LLM(max_model_len=args.max_model_len, num_kv_blocks=num_kv_blocks, async_scheduling=True)
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+            config = LlamaConfig(
+                vocab_size=32000, num_key_value_heads=2, max_position_embeddings=args.max_model_len, **shape
+            )
+            LlamaForCausalLM(config).save_pretrained(directory)
+            llm = LLM(directory, skip_tokenizer_init=True, max_model_len=args.max_model_len,
+                      num_kv_blocks=num_kv_blocks, async_scheduling=True)  # fmt: skip
     engine = llm.llm_engine
-    engine.pipeline.worker = InstantWorker(engine.worker, args.max_model_len, 16, config.vocab_size)
+    engine.pipeline.worker = InstantWorker(engine.worker, args.max_model_len, 16, engine.spec.vocab_size)
     params = SamplingParams(temperature=0.6, max_tokens=args.output_len, ignore_eos=True)
     for index in range(args.num_seqs):
         prompt = [(7 * index + position) % 30000 + 1 for position in range(args.prompt_len)]
