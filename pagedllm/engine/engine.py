@@ -32,6 +32,9 @@ class Sample:
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None  # None with skip_tokenizer_init
+    # A request nobody reads while it runs (stream=False) and that has no stop strings: its text is decoded once,
+    # when it ends, not token by token in every step (the same text; a step's host time is what paces the device).
+    text_at_end: bool
     logprobs: list[PositionLogprobs] | None  # one entry per token, when logprobs were asked for
     cumulative_logprob: float | None
 
@@ -157,11 +160,12 @@ class LLMEngine:
         ]
         seqs[0].forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
         wants_logprobs = params.logprobs is not None
-        samples = [
-            Sample(seq, self.make_detokenizer(token_ids, seq.sampling_params), [] if wants_logprobs else None,
-                   0.0 if wants_logprobs else None)
-            for seq in seqs
-        ]  # fmt: skip
+        samples = []
+        for seq in seqs:
+            detokenizer = self.make_detokenizer(token_ids, seq.sampling_params)
+            text_at_end = not stream and detokenizer is not None and detokenizer.can_decode_at_end
+            logprobs, cumulative_logprob = ([], 0.0) if wants_logprobs else (None, None)
+            samples.append(Sample(seq, detokenizer, text_at_end, logprobs, cumulative_logprob))
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
         self.scheduler.add(seqs[0])
@@ -257,6 +261,10 @@ class LLMEngine:
             sample.logprobs.append(token.logprobs)
             sample.cumulative_logprob += token.logprobs[token.token_id].logprob
         if sample.detokenizer is None:
+            return
+        if sample.text_at_end:
+            if seq.is_finished:
+                sample.detokenizer.decode_all(seq.output_token_ids, stop_terminated=seq.finish_reason == "stop")
             return
         stop = sample.detokenizer.update([token.token_id], stop_terminated=seq.finish_reason == "stop")
         if stop is not None:  # the text reached a stop string: the sequence ends here

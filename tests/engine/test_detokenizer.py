@@ -4,7 +4,9 @@ strings end the text even across tokens; streamed text never shows what a stop s
 from __future__ import annotations
 
 import pytest
-from conftest import train_tokenizer
+from conftest import VOCAB_SIZE, train_tokenizer
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
@@ -124,3 +126,32 @@ def test_skip_special_tokens(tokenizer):
         detokenizer.update(ids)
         detokenizer.finish()
         assert detokenizer.text == expected == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt_text=st.text(min_size=1, max_size=12),
+    output=st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=24),
+    skip_special_tokens=st.booleans(),
+    stop_terminated=st.booleans(),
+    include_stop_str_in_output=st.booleans(),
+)
+def test_decoding_the_whole_output_at_once_equals_token_by_token(
+    tokenizer, prompt_text, output, skip_special_tokens, stop_terminated, include_stop_str_in_output
+):
+    """Any output ids, byte pieces that form no character and special tokens included: what a request that nobody
+    streams gets at its end equals what a streamed one accumulates (after a prompt of whole characters)."""
+    params = SamplingParams(
+        skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop_str_in_output
+    )
+    assume(not prompt_text.endswith("\ufffd"))
+    prompt = tokenizer.encode(prompt_text)
+    by_token = IncrementalDetokenizer(tokenizer, prompt, params)
+    for index, token_id in enumerate(output):
+        by_token.update([token_id], stop_terminated=stop_terminated and index == len(output) - 1)
+    by_token.finish()
+    at_once = IncrementalDetokenizer(tokenizer, prompt, params)
+    assert at_once.can_decode_at_end
+    at_once.decode_all(output, stop_terminated=stop_terminated)
+    assert at_once.text == by_token.text
+    assert at_once.num_output_tokens == by_token.num_output_tokens == len(output)
