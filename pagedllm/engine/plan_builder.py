@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
-from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.layers.sampling_batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
 
@@ -43,18 +43,36 @@ def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
     return table
 
 
-def step_sampling(batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan]) -> StepSampling:
-    params = [seq.sampling_params for seq in owners]
+class LastSamplingBatch:
+    """The previous step's sampling batch and the sequences it sampled for. A request's SamplingParams and slot stay
+    the same while it runs, so a step that samples for the same sequences in the same order has the same batch
+    (most decode steps), unless a row has min_tokens: its bans depend on its output count, so such batches are
+    never kept."""
+
+    def __init__(self):
+        self.owners: list[Sequence] = []
+        self.batch: SamplingBatch | None = None
+
+
+def step_sampling(
+    batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan], last: LastSamplingBatch
+) -> StepSampling:
     slots = [seq.slot for seq in owners]
-    # Only rows with min_tokens read their output count and the EOS ids (every sequence of one engine has the
-    # engine's EOS ids, which min_tokens bans).
-    num_output_tokens, eos_token_ids = None, frozenset()
-    if any([p.min_tokens for p in params]):
-        num_output_tokens = [seq.num_output_tokens for seq in owners]
-        eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
+    if last.batch is not None and owners == last.owners:  # Sequences compare by identity
+        sampling_batch = last.batch
+    else:
+        params = [seq.sampling_params for seq in owners]
+        # Only rows with min_tokens read their output count and the EOS ids (every sequence of one engine has the
+        # engine's EOS ids, which min_tokens bans).
+        num_output_tokens, eos_token_ids = None, frozenset()
+        if any([p.min_tokens for p in params]):
+            num_output_tokens = [seq.num_output_tokens for seq in owners]
+            eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
+        sampling_batch = build_sampling_batch(params, slots, num_output_tokens, eos_token_ids)
+        last.owners, last.batch = owners, sampling_batch if num_output_tokens is None else None
     targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
     return StepSampling(
-        batch=build_sampling_batch(params, slots, num_output_tokens, eos_token_ids),
+        batch=sampling_batch,
         row_slots=np.array(slots, dtype=np.int64),
         released_slots=batch.released_slots,
         new_requests=[
@@ -82,12 +100,18 @@ def prompt_logprob_spans(
     return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
-def build_step_plan(batch: ScheduledBatch, step_id: int, block_size: int, table_width: int | None) -> PlannedStep:
-    """table_width: every block table padded to this many entries (the CUDA graphs' buffer width); None = the widest."""
+def build_step_plan(
+    batch: ScheduledBatch, step_id: int, block_size: int, table_width: int | None, last_sampling: LastSamplingBatch
+) -> PlannedStep:
+    """table_width: every block table padded to this many entries (the CUDA graphs' buffer width); None = the widest.
+    last_sampling: the previous plan's sampling batch, reused where it still holds."""
     seqs = batch.seqs
+    # Per-sequence loops read Python ints (a numpy scalar costs more to compare or slice with); arrays for the rest.
+    starts = [seq.num_computed_tokens for seq in seqs]
+    ends = [start + num_new for start, num_new in zip(starts, batch.num_new_tokens)]
     num_new = np.array(batch.num_new_tokens, dtype=np.int64)
-    start = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-    seq_lens = start + num_new
+    start = np.array(starts, dtype=np.int64)
+    seq_lens = np.array(ends, dtype=np.int64)
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(num_new, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
@@ -95,12 +119,12 @@ def build_step_plan(batch: ScheduledBatch, step_id: int, block_size: int, table_
     token_seq = np.repeat(np.arange(len(seqs)), num_new)
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - start, num_new)
     input_ids = np.fromiter(
-        chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, start, seq_lens)), np.int64, num_tokens
+        chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends)), np.int64, num_tokens
     )
     width = table_width or max(len(seq.block_table) for seq in seqs)
     block_tables = block_table_array([seq.block_table for seq in seqs], width)
     slot_mapping = block_tables[token_seq, positions // block_size] * np.int64(block_size) + positions % block_size
-    sampled = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+    sampled = [i for i, (seq, end) in enumerate(zip(seqs, ends)) if end == len(seq.token_ids)]
     owners = [seqs[i] for i in sampled]
     sample_rows = query_start_loc[1:][sampled] - 1
     # A request's other samples take their first tokens from the row that completes its prompt (they fork after it).
@@ -125,7 +149,7 @@ def build_step_plan(batch: ScheduledBatch, step_id: int, block_size: int, table_
         decode_only=bool((num_new == 1).all()),
         placeholder_rows=query_start_loc[pending],
         placeholder_sources=np.array([seqs[i].pending_sample_index for i in pending], dtype=np.int64),
-        sampling=step_sampling(batch, owners, spans),
+        sampling=step_sampling(batch, owners, spans, last_sampling),
         prompt_logprob_rows=prompt_logprob_rows,
         block_copies=np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2),
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
-from pagedllm.engine.plan_builder import PromptLogprobSpan, build_step_plan
+from pagedllm.engine.plan_builder import LastSamplingBatch, PromptLogprobSpan, build_step_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepSampling
 from pagedllm.outputs import PositionLogprobs
@@ -99,6 +99,7 @@ class StepPipeline:
         self.scheduler, self.worker, self.overlap, self.decode = scheduler, worker, overlap, decode
         self.in_flight: LaunchedStep | None = None
         self.step_ids = itertools.count()
+        self.last_sampling = LastSamplingBatch()
         # Set by a tracer: called with each launched step and the scheduler, its result goes in record.detail.
         self.describe_step: Callable[[LaunchedStep, Scheduler], StepDetail] | None = None
 
@@ -135,7 +136,8 @@ class StepPipeline:
             return None
         batched_at = time.perf_counter()
         step_id = next(self.step_ids)
-        planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.worker.table_width)
+        block_size, table_width = self.scheduler.block_manager.block_size, self.worker.table_width
+        planned = build_step_plan(batch, step_id, block_size, table_width, self.last_sampling)
         planned_at = time.perf_counter()
         sampling = planned.plan.sampling  # kept here: the worker may pad the plan
         output = self.worker.execute(planned.plan, previous.output if previous is not None else None)
