@@ -28,11 +28,6 @@ class IncrementalDetokenizer:
         self.text = ""  # the output text so far; ends before a matched stop string (unless it is included)
         self.stop_reason: str | None = None  # the stop string that ended the text
         self.num_streamed_chars = 0
-        # Whether decode_all() may make the text at the end: not with stop strings (they are checked as the text
-        # grows), nor after a prompt that ends inside a character (its U+FFFD would then start the output
-        # token by token, but not at once).
-        context_text = self.backend.decode(self.decoded_ids, skip_special_tokens=self.skip_special_tokens)
-        self.can_decode_at_end = self.stop_checker is None and not context_text.endswith("\ufffd")
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text it completes (possibly empty)."""
@@ -66,11 +61,20 @@ class IncrementalDetokenizer:
                     return match.stop
         return None
 
+    def can_decode_at_end(self) -> bool:
+        """Whether decode_all() may make the text: not with stop strings (they are checked as the text grows), nor
+        after a prompt that ends inside a character (its U+FFFD would then start the output token by token, but
+        not at once)."""
+        if self.stop_checker is not None:
+            return False
+        context_text = self.backend.decode(self.decoded_ids, skip_special_tokens=self.skip_special_tokens)
+        return not context_text.endswith("\ufffd")
+
     def decode_all(self, token_ids: list[int], stop_terminated: bool = False) -> None:
         """The whole output in one decode, for a request that nobody reads while it runs and that has no stop
         strings: the same text as update() token by token and then finish(), at one tokenizer call per request
         instead of one per token."""
-        assert self.can_decode_at_end and self.num_output_tokens == 0, "decode_all takes the whole output, once"
+        assert self.num_output_tokens == 0 and self.can_decode_at_end(), "decode_all takes the whole output, once"
         self.num_output_tokens = len(token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             token_ids = token_ids[:-1]

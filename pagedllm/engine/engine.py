@@ -163,7 +163,7 @@ class LLMEngine:
         samples = []
         for seq in seqs:
             detokenizer = self.make_detokenizer(token_ids, seq.sampling_params)
-            text_at_end = not stream and detokenizer is not None and detokenizer.can_decode_at_end
+            text_at_end = not stream and detokenizer is not None and detokenizer.can_decode_at_end()
             logprobs, cumulative_logprob = ([], 0.0) if wants_logprobs else (None, None)
             samples.append(Sample(seq, detokenizer, text_at_end, logprobs, cumulative_logprob))
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None

@@ -151,7 +151,7 @@ def test_decoding_the_whole_output_at_once_equals_token_by_token(
         by_token.update([token_id], stop_terminated=stop_terminated and index == len(output) - 1)
     by_token.finish()
     at_once = IncrementalDetokenizer(tokenizer, prompt, params)
-    assert at_once.can_decode_at_end
+    assert at_once.can_decode_at_end()
     at_once.decode_all(output, stop_terminated=stop_terminated)
     assert at_once.text == by_token.text
     assert at_once.num_output_tokens == by_token.num_output_tokens == len(output)
