@@ -1,12 +1,14 @@
 """A plan's sampling batch is built again only when it can differ from the previous plan's: the same sequences in
 the same order reuse it; another sequence, another order, or a row with min_tokens (whose bans follow its output
-count) get a fresh one with their own settings."""
+count) get a fresh one with their own settings. In the engine, requests with other settings arriving mid-run get
+the tokens they get alone, async scheduling on and off."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from pagedllm import SamplingParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine.plan_builder import LastSamplingBatch, step_sampling
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
@@ -42,3 +44,24 @@ def test_rows_with_min_tokens_get_their_bans_from_each_steps_output_count():
     assert banned.adjusted_token_ids.tolist() == [EOS]
     seq.token_ids += [8, 9]  # two output tokens: min_tokens reached
     assert sample([seq], last).adjusted_token_ids is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_arrivals_with_other_settings_mid_run_get_their_own_tokens(llama_dir, async_scheduling):
+    llm = LLM(llama_dir, num_kv_blocks=64, async_scheduling=async_scheduling)
+    arrivals = [  # (steps run before it arrives, prompt, settings)
+        (0, "The quick brown fox", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        (3, "A glass of", SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)),
+        (2, "Once upon a time", SamplingParams(temperature=0.8, seed=5, min_tokens=4, max_tokens=8)),
+        (1, "def f(x):", SamplingParams(temperature=0.5, seed=7, top_k=5, max_tokens=9, ignore_eos=True)),
+    ]
+    alone = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids for _, prompt, params in arrivals]
+    engine = llm.llm_engine
+    tokens = {}
+    for index, (steps, prompt, params) in enumerate(arrivals):
+        for _ in range(steps):
+            tokens.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        engine.add_request(str(index), prompt, params, stream=False)
+    while engine.has_unfinished_requests():
+        tokens.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [tokens[str(index)] for index in range(len(arrivals))] == alone

@@ -1,7 +1,7 @@
 """A request that nobody streams and that has no stop strings gets its text decoded once, when it ends; a streamed
 request token by token. Both give the same outputs: at a length limit, at a stop token (its text left out or
-included), with special tokens kept, for n > 1, and after a prompt that ends inside a character (which is decoded
-token by token either way)."""
+included), with special tokens kept, for n > 1, after a prompt that ends inside a character (which is decoded
+token by token either way), and for a batch whose requests end at different steps, async scheduling on and off."""
 
 from __future__ import annotations
 
@@ -54,3 +54,20 @@ def test_prompt_ending_inside_a_character_is_decoded_token_by_token(engine):
     at_end, outputs = run(engine, {"prompt_token_ids": prompt_ids}, GREEDY, stream=False)
     assert not at_end
     assert outputs == run(engine, {"prompt_token_ids": prompt_ids}, GREEDY, stream=True)[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_batch_ending_at_different_steps_gets_each_requests_streamed_text(llama_dir, async_scheduling):
+    llm = LLM(llama_dir, num_kv_blocks=64, async_scheduling=async_scheduling)
+    prompts = ["The quick brown fox", "A glass of", "def f(x):", "Once upon a time"]
+    free = llm.generate(prompts, GREEDY, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * index, stop_token_ids=[output.outputs[0].token_ids[2 + index]])
+        for index, output in enumerate(free)
+    ]  # each ends at a stop token or its own max_tokens, at a step of its own
+    batched = llm.generate(prompts, params, use_tqdm=False)  # not streamed: text made at the end
+    engine = llm.llm_engine
+    for prompt, request_params, output in zip(prompts, params, batched):
+        alone = run(engine, prompt, request_params, stream=True)[1]
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in output.outputs] == alone
+    assert len({len(output.outputs[0].token_ids) for output in batched}) > 1
