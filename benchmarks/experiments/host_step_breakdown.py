@@ -48,9 +48,37 @@ PARTS = [
     ("  advance", Scheduler, "advance"),
     ("  append placeholders", Scheduler, "append_placeholders"),
 ]
-for part_name, owner, attribute in PARTS:
-    if owner is not None:
-        setattr(owner, attribute, timed(part_name, getattr(owner, attribute)))
+
+
+def wrap_parts() -> None:
+    for part_name, owner, attribute in PARTS:
+        if owner is not None:
+            setattr(owner, attribute, timed(part_name, getattr(owner, attribute)))
+
+
+BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
+
+
+def print_device_idle(records) -> None:
+    """Decode-only steps by batch size: the wall time between consecutive steps' tokens against the device's own
+    time for the step (CUDA events around its work). Where the wall time is longer, the device waited for the host
+    (or for the read-back): that gap is what host slack would win back."""
+    print("| decode batch | steps | wall per step (ms, median) | device per step (ms, median) | "
+          "device idle, total (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    rows = []
+    for previous, record in zip(records, records[1:]):
+        if record.num_prefill_tokens == 0 and previous.num_prefill_tokens == 0 and record.events is not None:
+            wall = record.resolved_at - previous.resolved_at
+            device = record.events.start.elapsed_time(record.events.end) / 1e3
+            rows.append((record.num_seqs, wall, device))
+    for low, high in BUCKETS:
+        inside = [(wall, device) for num_seqs, wall, device in rows if low <= num_seqs <= high]
+        if inside:
+            walls, devices = zip(*inside)
+            idle = sum(max(0.0, wall - device) for wall, device in inside)
+            print(f"| {low}-{high} | {len(inside)} | {1e3 * statistics.median(walls):.3f} | "
+                  f"{1e3 * statistics.median(devices):.3f} | {1e3 * idle:.0f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -63,18 +91,25 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="/tmp/pagedllm-bench/tinyllama-1.1b", help="written by pagedllm bench")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--no-parts", action="store_true", help="only the device-idle table (no per-part timers)")
     args = parser.parse_args()
+    if not args.no_parts:
+        wrap_parts()
     cuda = torch.cuda.is_available()
     llm = LLM(str(Path(args.checkpoint)), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=not cuda)
     engine = llm.llm_engine
     engine.step = timed("engine.step", engine.step)
-    engine.worker.model.compute_logits = timed("    logits", engine.worker.model.compute_logits)
+    if not args.no_parts:
+        engine.worker.model.compute_logits = timed("    logits", engine.worker.model.compute_logits)
     prompts, output_lens = nano_vllm_workload(args.num_seqs)
     if not cuda:  # a CPU check of this script: a few short requests
         prompts, output_lens = [prompt[:32] for prompt in prompts[:4]], [4] * 4
     timed_run(llm, prompts[:8], [16] * len(prompts[:8]))  # warm-up, as bench
+    records = []
+    engine.add_step_listener(records.append, device_timings=True)
     for run in range(args.runs):
         TIMES.clear()
+        records.clear()
         result = timed_run(llm, prompts, output_lens)
         steps = len(TIMES["engine.step"])
         print(f"run {run}: {result.tokens_per_s:,.0f} output tok/s, decode {result.decode_s:.2f} s, {steps} steps")
@@ -85,6 +120,7 @@ def main() -> None:
             if times:
                 print(f"| {part_name} | {len(times)} | {1e3 * sum(times):.0f} | {1e3 * sum(times) / steps:.3f} | "
                       f"{1e6 * statistics.median(times):.0f} |")  # fmt: skip
+        print_device_idle(records)
     llm.shutdown()
 
 

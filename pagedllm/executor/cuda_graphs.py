@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, all reading the same StepBuffers.
+"""CUDA graphs for decode steps: one graph per padded batch size, all reading the same decode pack of StepBuffers.
 
 A decode step of n sequences replays the graph of the smallest captured size >= n; the padding rows have
 seq_len 0 and slot -1, so attention stores nothing for them and returns zeros. The block-table buffer is as
@@ -34,16 +34,16 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         dtype = next(model.parameters()).dtype
         # [max_num_seqs, hidden_size]: every graph writes its output rows here
-        device = buffers.input_ids.device.device
+        device = buffers.decode.device_bytes.device
         self.hidden = torch.empty(max_num_seqs, model.spec.hidden_size, dtype=dtype, device=device)
 
     def decode_metadata(self, batch_size: int) -> AttentionMetadata:
-        buffers = self.buffers
+        device = self.buffers.decode.device
         return AttentionMetadata(
-            slot_mapping=buffers.slot_mapping.device[:batch_size],
-            query_start_loc=buffers.query_start_loc.device[: batch_size + 1],
-            seq_lens=buffers.seq_lens.device[:batch_size],
-            block_tables=buffers.block_tables.device[:batch_size],
+            slot_mapping=device["slot_mapping"][:batch_size],
+            query_start_loc=device["query_start_loc"][: batch_size + 1],
+            seq_lens=device["seq_lens"][:batch_size],
+            block_tables=device["block_tables"][:batch_size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
             decode_only=True,
@@ -51,15 +51,16 @@ class DecodeGraphs:
 
     def forward(self, batch_size: int) -> torch.Tensor:
         metadata = self.decode_metadata(batch_size)
-        input_ids, positions = self.buffers.input_ids.device[:batch_size], self.buffers.positions.device[:batch_size]
+        device = self.buffers.decode.device
+        input_ids, positions = device["input_ids"][:batch_size], device["positions"][:batch_size]
         return self.model(input_ids, positions, metadata)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        buffers = self.buffers
-        buffers.seq_lens.device.zero_()  # every row is padding while capturing: nothing is read or stored
-        buffers.slot_mapping.device.fill_(-1)
-        query_start_loc = buffers.query_start_loc.device
+        device = self.buffers.decode.device
+        device["seq_lens"].zero_()  # every row is padding while capturing: nothing is read or stored
+        device["slot_mapping"].fill_(-1)
+        query_start_loc = device["query_start_loc"]
         query_start_loc.copy_(torch.arange(len(query_start_loc), dtype=torch.int32))
         pool = None
         for batch_size in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory

@@ -38,82 +38,101 @@ def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
     plan.block_tables = np.concatenate([plan.block_tables, padding_tables])
 
 
-@dataclass(slots=True)
-class PinnedBuffer:
-    """A device tensor with a pinned host twin: a slice of the twin is filled from numpy, then copied asynchronously."""
-
-    device: torch.Tensor
-    host: torch.Tensor
-
-    @classmethod
-    def zeros(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> PinnedBuffer:
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, pin_memory=True))
-
-    def upload(self, array: np.ndarray) -> torch.Tensor:
-        host = self.host[: len(array)]
-        host.numpy()[...] = array
-        device = self.device[: len(array)]
-        device.copy_(host, non_blocking=True)
-        return device
+# The plan's arrays that go to the device, in their order inside a pack: rows per sequence first, the block tables
+# (by far the largest, num_seqs x table_width) last, so one copy up to the last used table row carries them all.
+# (name, dtype, rows: "tokens" or "seqs", extra rows)
+PACKED_FIELDS = (
+    ("input_ids", np.int64, "tokens", 0),
+    ("positions", np.int64, "tokens", 0),
+    ("slot_mapping", np.int64, "tokens", 0),
+    ("sample_rows", np.int64, "seqs", 0),
+    ("placeholder_rows", np.int64, "seqs", 0),
+    ("placeholder_sources", np.int64, "seqs", 0),
+    ("query_start_loc", np.int32, "seqs", 1),
+    ("seq_lens", np.int32, "seqs", 0),
+    ("block_tables", np.int32, "seqs", 0),  # rows of table_width entries
+)
+ALIGNMENT = 64  # bytes: each field's offset in a pack
 
 
-@dataclass(slots=True)
-class StepBuffers:
-    """Device tensors big enough for any step. The same device memory serves every step, so a CUDA graph
-    captured on slices of it sees each step's data."""
+class PackedInputs:
+    """Every array of a step at a fixed offset in one host buffer (pinned on CUDA) and in its device twin of the
+    same layout. A step writes its arrays into the host buffer, then one asynchronous copy moves the bytes up to the
+    end of the last one (nine separate copies cost the host ~0.2 ms per step on the H200). A field's device view
+    never moves, so a CUDA graph captured on it reads each later step's values."""
 
-    input_ids: PinnedBuffer  # [max_tokens] int64
-    positions: PinnedBuffer  # [max_tokens] int64
-    slot_mapping: PinnedBuffer  # [max_tokens] int64
-    query_start_loc: PinnedBuffer  # [max_seqs + 1] int32
-    seq_lens: PinnedBuffer  # [max_seqs] int32
-    block_tables: PinnedBuffer  # [max_seqs, table_width] int32
-    sample_rows: PinnedBuffer  # [max_seqs] int64
-    placeholder_rows: PinnedBuffer  # [max_seqs] int64
-    placeholder_sources: PinnedBuffer  # [max_seqs] int64
-    # The host twins are rewritten each step: wait until the previous step's copies have left them.
-    uploads_done: torch.cuda.Event
+    def __init__(self, max_tokens: int, max_seqs: int, table_width: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.table_width = max_tokens, max_seqs, table_width
+        self.layout: dict[str, tuple[int, int]] = {}  # name -> (offset, bytes)
+        offset = 0
+        for name, dtype, rows, extra in PACKED_FIELDS:
+            count = (max_tokens if rows == "tokens" else max_seqs) + extra
+            count *= table_width if name == "block_tables" else 1
+            self.layout[name] = (offset, count * np.dtype(dtype).itemsize)
+            offset += -(-count * np.dtype(dtype).itemsize // ALIGNMENT) * ALIGNMENT
+        self.host_bytes = torch.zeros(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device_bytes = torch.zeros(offset, dtype=torch.uint8, device=device)
+        host = self.host_bytes.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        self.device: dict[str, torch.Tensor] = {}
+        for name, dtype, _, _ in PACKED_FIELDS:
+            start, size = self.layout[name]
+            self.host[name] = host[start : start + size].view(dtype)
+            self.device[name] = self.device_bytes[start : start + size].view(torch.from_numpy(self.host[name]).dtype)
+        self.host["block_tables"] = self.host["block_tables"].reshape(max_seqs, table_width)
+        self.device["block_tables"] = self.device["block_tables"].view(max_seqs, table_width)
 
-    @classmethod
-    def allocate(cls, max_tokens: int, max_seqs: int, table_width: int, device: torch.device) -> StepBuffers:
-        def buffer(shape, dtype):
-            return PinnedBuffer.zeros(shape, dtype, device)
-
-        buffers = cls(
-            input_ids=buffer((max_tokens,), torch.int64),
-            positions=buffer((max_tokens,), torch.int64),
-            slot_mapping=buffer((max_tokens,), torch.int64),
-            query_start_loc=buffer((max_seqs + 1,), torch.int32),
-            seq_lens=buffer((max_seqs,), torch.int32),
-            block_tables=buffer((max_seqs, table_width), torch.int32),
-            sample_rows=buffer((max_seqs,), torch.int64),
-            placeholder_rows=buffer((max_seqs,), torch.int64),
-            placeholder_sources=buffer((max_seqs,), torch.int64),
-            uploads_done=torch.cuda.Event(),
-        )
-        buffers.slot_mapping.device.fill_(-1)
-        return buffers
+    def holds(self, plan: StepPlan) -> bool:
+        return plan.num_tokens <= self.max_tokens and plan.num_seqs <= self.max_seqs
 
     def upload(self, plan: StepPlan) -> StepInputs:
-        """Every copy goes from pinned memory, so none of them waits for the device to finish earlier steps."""
-        self.uploads_done.synchronize()
-        inputs = StepInputs(
-            input_ids=self.input_ids.upload(plan.input_ids),
-            positions=self.positions.upload(plan.positions),
+        """Write the plan into the host buffer and queue the copy (the caller makes sure the previous copy has left
+        the host buffer)."""
+        end = 0
+        for name, _, _, _ in PACKED_FIELDS:
+            array = getattr(plan, name)
+            self.host[name][: len(array)] = array
+            if len(array):
+                end = max(end, self.layout[name][0] + array.nbytes)
+        self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
+        device = self.device
+        return StepInputs(
+            input_ids=device["input_ids"][: plan.num_tokens],
+            positions=device["positions"][: plan.num_tokens],
             metadata=AttentionMetadata(
-                slot_mapping=self.slot_mapping.upload(plan.slot_mapping),
-                query_start_loc=self.query_start_loc.upload(plan.query_start_loc),
-                seq_lens=self.seq_lens.upload(plan.seq_lens),
-                block_tables=self.block_tables.upload(plan.block_tables),
+                slot_mapping=device["slot_mapping"][: plan.num_tokens],
+                query_start_loc=device["query_start_loc"][: plan.num_seqs + 1],
+                seq_lens=device["seq_lens"][: plan.num_seqs],
+                block_tables=device["block_tables"][: plan.num_seqs],
                 max_query_len=plan.max_query_len,
                 max_seq_len=plan.max_seq_len,
                 decode_only=plan.decode_only,
             ),
-            sample_rows=self.sample_rows.upload(plan.sample_rows),
-            placeholder_rows=self.placeholder_rows.upload(plan.placeholder_rows),
-            placeholder_sources=self.placeholder_sources.upload(plan.placeholder_sources),
+            sample_rows=device["sample_rows"][: plan.num_sampled],
+            placeholder_rows=device["placeholder_rows"][: len(plan.placeholder_rows)],
+            placeholder_sources=device["placeholder_sources"][: len(plan.placeholder_sources)],
         )
-        self.uploads_done.record()
+
+
+class StepBuffers:
+    """Two packs: one as large as a decode step can be (max_seqs tokens), which the CUDA graphs read, so a decode
+    step copies little more than its block tables; one as large as any step (max_tokens), for the others."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, table_width: int, device: torch.device):
+        self.decode = PackedInputs(max_seqs, max_seqs, table_width, device)
+        self.decode.device["slot_mapping"].fill_(-1)
+        self.any_step = PackedInputs(max_tokens, max_seqs, table_width, device)
+        # The host buffers are rewritten each step: wait until the previous step's copy has left them.
+        self.uploads_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def upload(self, plan: StepPlan) -> StepInputs:
+        """The copy goes from pinned memory, so it does not wait for the device to finish earlier steps."""
+        if self.uploads_done is not None:
+            self.uploads_done.synchronize()
+        pack = self.decode if plan.decode_only and self.decode.holds(plan) else self.any_step
+        inputs = pack.upload(plan)
+        if self.uploads_done is not None:
+            self.uploads_done.record()
         return inputs
 
 

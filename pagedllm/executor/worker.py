@@ -70,7 +70,7 @@ class Worker:
         self.buffers: StepBuffers | None = None
         if device.type == "cuda":
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-            self.buffers = StepBuffers.allocate(max_tokens, config.max_num_seqs, self.table_width, device)
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.table_width, device)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         with building_with(tp):
@@ -216,7 +216,11 @@ class Worker:
             events.forward_done.record()
         sampled = None
         if plan.num_sampled:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # None on ranks other than 0
+            rows = plan.sample_rows
+            # Most decode steps sample row r for row r: their rows are taken as a view, without a gather.
+            in_order = np.array_equal(rows, np.arange(len(rows)))
+            sample_hidden = hidden[: len(rows)] if in_order else hidden[inputs.sample_rows]
+            logits = self.model.compute_logits(sample_hidden)  # None on ranks other than 0
             if logits is not None:
                 sampled = self.sampler(logits, plan.sampling.batch)
         prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None

@@ -89,7 +89,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
-        tensors = batch.to_device(self.device, self.generators.__getitem__, self.default_generator)
+        if batch.on_device is None:
+            batch.on_device = batch.to_device(self.device, self.generators.__getitem__, self.default_generator)
+        tensors = batch.on_device
         return sample_tokens(logits.float(), tensors, self.penalties)
 
 
@@ -128,7 +130,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
         return logits.argmax(dim=-1)
     if FUSED_RACE and logits.is_cuda and is_plain_race(params):
         return fused_race(logits, params.temperatures, params.default_generator)
-    temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
+    temperatures = params.divisors
     if params.top_ks is not None or params.top_ps is not None:
         sampled = sample_truncated(logits, temperatures, params)
     else:
@@ -145,12 +147,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
 def is_plain_race(params: SamplingTensors) -> bool:
     """Every row is greedy or races over the whole vocabulary with the engine's noise: no top-k, top-p or min-p, and
     no seeded row (a seeded row's draw must not depend on the path it is sampled in)."""
-    return (
-        params.top_ks is None
-        and params.top_ps is None
-        and params.min_ps is None
-        and all(generator is None for generator in params.generators)
-    )
+    return params.top_ks is None and params.top_ps is None and params.min_ps is None and not params.generators
 
 
 def fused_race(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -217,11 +214,9 @@ def exponential_noise(
     """Exp(1) noise shaped like `like`. A seeded row draws one value per vocabulary token from its own generator
     (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in."""
     noise = torch.empty_like(like, dtype=torch.float32)
-    if any(generator is None for generator in params.generators):  # some row has no generator of its own
+    if len(params.generators) < len(like):  # some row has no generator of its own
         noise.exponential_(generator=params.default_generator)
-    for row, generator in enumerate(params.generators):
-        if generator is None:
-            continue
+    for row, generator in params.generators.items():
         if candidate_ids is None:
             noise[row].exponential_(generator=generator)
         else:

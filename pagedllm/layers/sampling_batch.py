@@ -4,7 +4,7 @@ and the same settings as tensors on the sampling device. A feature no row uses i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,10 @@ class SamplingBatch:
     repetition_penalties: np.ndarray | None = None  # [p] float32; None when all are 1
     logprob_rows: np.ndarray | None = None  # [r] int64: rows that asked for logprobs
     num_logprobs: np.ndarray | None = None  # [r] int64: how many top logprobs each of them asked for
+    # The batch on the sampling device, made by the first step that samples it. A batch is reused while the same
+    # sequences sample (plan_builder.LastSamplingBatch), and its rows' slots, generators and settings stay the same
+    # meanwhile, so later steps take these tensors as they are: the sampler never writes into them.
+    on_device: SamplingTensors | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -56,11 +60,15 @@ class SamplingBatch:
         default_generator: torch.Generator | None,
     ) -> SamplingTensors:
         """Upload every array (asynchronously on CUDA) and look up the seeded rows' generators."""
-        generators: list[torch.Generator | None] = [None] * self.num_rows
+        generators = {}
         if self.seeded_rows is not None:
             for row, slot in zip(self.seeded_rows.tolist(), self.seeded_slots.tolist()):
                 generators[row] = generator_for_slot(slot)
         upload = lambda array: None if array is None else upload_array(array, device)
+        temperatures = upload(self.temperatures)
+        divisors = temperatures  # what the racing rows divide their logits by; greedy rows take 1
+        if self.any_greedy and not self.all_greedy:
+            divisors = upload(np.where(self.temperatures > 0, self.temperatures, np.float32(1)))
         adjustments = None
         if self.adjusted_rows is not None:
             adjustments = LogitAdjustments(
@@ -76,7 +84,8 @@ class SamplingBatch:
                 repetition=upload(self.repetition_penalties),
             )
         return SamplingTensors(
-            temperatures=upload(self.temperatures),
+            temperatures=temperatures,
+            divisors=divisors,
             top_ps=upload(self.top_ps),
             top_ks=upload(self.top_ks),
             generators=generators,
@@ -120,9 +129,10 @@ class SamplingTensors:
     """Device side, one entry per sampled row. A None field: no row of the batch uses that feature."""
 
     temperatures: torch.Tensor  # [rows] float32; 0 = greedy
+    divisors: torch.Tensor  # [rows] float32: the temperatures, 1 for greedy rows (what a race divides by)
     top_ps: torch.Tensor | None  # [rows] float32
     top_ks: torch.Tensor | None  # [rows] int64; 0 = off
-    generators: list[torch.Generator | None]  # per row: its own generator (seeded request) or None
+    generators: dict[int, torch.Generator]  # row -> its own generator, for the rows of seeded requests only
     default_generator: torch.Generator | None  # for rows without a seed of their own (the engine's seed)
     all_greedy: bool
     any_greedy: bool

@@ -10,12 +10,12 @@ from pagedllm.layers.sampling_batch import build_sampling_batch
 
 
 def tensors(temperatures, top_ps=None, top_ks=None) -> SamplingTensors:
-    rows = len(temperatures)
     return SamplingTensors(
         temperatures=torch.tensor(temperatures, dtype=torch.float32),
+        divisors=torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32),
         top_ps=None if top_ps is None else torch.tensor(top_ps, dtype=torch.float32),
         top_ks=None if top_ks is None else torch.tensor(top_ks),
-        generators=[None] * rows,
+        generators={},
         default_generator=torch.Generator().manual_seed(0),
         all_greedy=all(t == 0 for t in temperatures),
         any_greedy=any(t == 0 for t in temperatures),
@@ -71,6 +71,31 @@ def test_samples_follow_the_softmax_distribution():
     tokens = sample(logits, [SamplingParams()] * 4000)
     frequencies = torch.bincount(tokens, minlength=3).float() / 4000
     assert torch.allclose(frequencies, probs, atol=0.03), frequencies
+
+
+def test_a_racing_row_next_to_greedy_rows_keeps_its_temperature():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().repeat(4000, 1)
+    tokens = sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=0.5)] * 2000)
+    assert (tokens[0::2] == 0).all()
+    frequencies = torch.bincount(tokens[1::2], minlength=3).float() / 2000
+    assert torch.allclose(frequencies, probs**2 / (probs**2).sum(), atol=0.03), frequencies  # softmax(log p / 0.5)
+
+
+def test_a_reused_batch_is_uploaded_once_and_samples_as_fresh_batches():
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(top_k=5, seed=4)]
+    logits = torch.randn(3, 100)
+
+    def draws(batches) -> list[list[int]]:
+        sampler = Sampler(num_slots=3, vocab_size=100, device=torch.device("cpu"), seed=0)
+        sampler.add_request(2, params[2], prompt_token_ids=[0])
+        return [sampler(logits.clone(), batch).sampled_token_ids.tolist() for batch in batches]
+
+    reused = build_sampling_batch(params, slots=[0, 1, 2])
+    assert draws([reused] * 4) == draws([build_sampling_batch(params, slots=[0, 1, 2]) for _ in range(4)])
+    on_device = reused.on_device
+    draws([reused])
+    assert reused.on_device is on_device
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch(llama_dir):

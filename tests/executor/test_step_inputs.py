@@ -1,0 +1,83 @@
+"""Step inputs packed into one host buffer and copied at once: every field reads back as the plan's array, whatever
+the step before it held, and the decode pack's device memory never moves (CUDA graphs read it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.executor.step_inputs import PackedInputs, StepBuffers, pad_decode_plan
+from pagedllm.executor.step_plan import StepPlan
+
+CPU = torch.device("cpu")
+WIDTH = 6
+
+
+def make_plan(query_lens: list[int], seed: int) -> StepPlan:
+    rng = np.random.default_rng(seed)
+    num_seqs, num_tokens = len(query_lens), sum(query_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq_lens = (np.array(query_lens) + rng.integers(0, 20, num_seqs)).astype(np.int32)
+    pending = np.flatnonzero(np.array(query_lens) == 1)
+    return StepPlan(
+        step_id=seed,
+        input_ids=rng.integers(0, 1000, num_tokens),
+        positions=rng.integers(0, 100, num_tokens),
+        slot_mapping=rng.integers(0, 500, num_tokens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=rng.integers(0, 50, (num_seqs, WIDTH)).astype(np.int32),
+        sample_rows=query_start_loc[1:].astype(np.int64) - 1,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        decode_only=max(query_lens) == 1,
+        placeholder_rows=query_start_loc[pending].astype(np.int64),
+        placeholder_sources=rng.integers(0, 8, len(pending)),
+        sampling=None,
+    )
+
+
+def assert_inputs_match(inputs, plan: StepPlan) -> None:
+    metadata = inputs.metadata
+    for tensor, array in [
+        (inputs.input_ids, plan.input_ids),
+        (inputs.positions, plan.positions),
+        (metadata.slot_mapping, plan.slot_mapping),
+        (metadata.query_start_loc, plan.query_start_loc),
+        (metadata.seq_lens, plan.seq_lens),
+        (metadata.block_tables, plan.block_tables),
+        (inputs.sample_rows, plan.sample_rows),
+        (inputs.placeholder_rows, plan.placeholder_rows),
+        (inputs.placeholder_sources, plan.placeholder_sources),
+    ]:
+        assert tensor.shape == array.shape
+        assert tensor.tolist() == array.tolist()
+    assert (metadata.max_query_len, metadata.max_seq_len) == (plan.max_query_len, plan.max_seq_len)
+    assert metadata.decode_only == plan.decode_only
+
+
+def test_each_field_reads_back_after_larger_and_smaller_steps():
+    pack = PackedInputs(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
+    plans = [make_plan([5, 1, 30, 1, 7, 1, 2, 1], 0), make_plan([1, 1, 1], 1), make_plan([9, 1], 2)]
+    for plan in plans:
+        assert_inputs_match(pack.upload(plan), plan)
+
+
+def test_a_full_pack_fills_every_field_to_its_end():
+    pack = PackedInputs(max_tokens=8, max_seqs=8, table_width=WIDTH, device=CPU)
+    plan = make_plan([1] * 8, 3)
+    assert_inputs_match(pack.upload(plan), plan)
+
+
+def test_decode_steps_use_the_decode_pack_at_fixed_addresses():
+    buffers = StepBuffers(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
+    addresses = {name: view.data_ptr() for name, view in buffers.decode.device.items()}
+    decode, prefill = make_plan([1] * 5, 4), make_plan([20, 3], 5)
+    pad_decode_plan(decode, 8)  # as the worker pads a decode step to a graph's batch size
+    inputs = buffers.upload(decode)
+    assert_inputs_match(inputs, decode)
+    assert inputs.input_ids.data_ptr() == addresses["input_ids"]
+    assert inputs.metadata.block_tables.data_ptr() == addresses["block_tables"]
+    assert_inputs_match(buffers.upload(prefill), prefill)  # the other pack: the decode pack keeps its values
+    assert buffers.decode.device["input_ids"][:8].tolist() == decode.input_ids.tolist()
+    assert {name: view.data_ptr() for name, view in buffers.decode.device.items()} == addresses
