@@ -31,7 +31,6 @@ class InstantWorker:
 
     def __init__(self, worker, max_model_len: int, block_size: int, vocab_size: int):
         self.worker = worker  # the real one keeps the KV block count and shuts down
-        self.table_width = -(-max_model_len // block_size)
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(0)
 

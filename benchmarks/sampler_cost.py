@@ -10,7 +10,7 @@ the step it is part of.
 
 "temperature only (fused kernel)" runs its batch through the Triton race (kernels/race_sampling.py) and every other
 mix through the torch path, whatever PAGEDLLM_FUSED_SAMPLER says, so the two are compared in one run (CUDA only).
-Set PAGEDLLM_FUSED_SAMPLER=1 for --engine so that start-up compiles the kernel, as it would for a user.
+Leave PAGEDLLM_FUSED_SAMPLER unset (on) for --engine so that start-up compiles the kernel, as it does for a user.
 """
 
 from __future__ import annotations

@@ -85,12 +85,14 @@ def step_sampling(
 
 
 def prompt_logprob_spans(
-    seqs: list[Sequence], start: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray
+    seqs: list[Sequence], in_prompt: list[int], start: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray
 ) -> tuple[list[PromptLogprobSpan], np.ndarray]:
     """For each sequence that asked for prompt logprobs: the positions computed this step that predict a prompt
-    token (position p predicts token p + 1, so the last prompt position is not one), and their packed rows."""
+    token (position p predicts token p + 1, so the last prompt position is not one), and their packed rows.
+    in_prompt: the indices of the sequences that compute prompt tokens this step (no other can have such a span)."""
     spans, rows = [], []
-    for index, seq in enumerate(seqs):
+    for index in in_prompt:
+        seq = seqs[index]
         if not seq.wants_prompt_logprobs:
             continue
         first, end = int(start[index]), min(int(seq_lens[index]), seq.num_prompt_tokens - 1)
@@ -101,9 +103,9 @@ def prompt_logprob_spans(
 
 
 def build_step_plan(
-    batch: ScheduledBatch, step_id: int, block_size: int, table_width: int | None, last_sampling: LastSamplingBatch
+    batch: ScheduledBatch, step_id: int, block_size: int, last_sampling: LastSamplingBatch
 ) -> PlannedStep:
-    """table_width: every block table padded to this many entries (the CUDA graphs' buffer width); None = the widest.
+    """Block tables are as wide as the step's longest (the worker's buffers take any width up to max_model_len's).
     last_sampling: the previous plan's sampling batch, reused where it still holds."""
     seqs = batch.seqs
     # Per-sequence loops read Python ints (a numpy scalar costs more to compare or slice with); arrays for the rest.
@@ -118,23 +120,28 @@ def build_step_plan(
 
     token_seq = np.repeat(np.arange(len(seqs)), num_new)
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - start, num_new)
-    input_ids = np.fromiter(
-        chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends)), np.int64, num_tokens
-    )
-    width = table_width or max(len(seq.block_table) for seq in seqs)
-    block_tables = block_table_array([seq.block_table for seq in seqs], width)
+    if num_tokens == len(seqs):  # one new token each (decode): index, do not slice
+        input_ids = np.array([seq.token_ids[s] for seq, s in zip(seqs, starts)], dtype=np.int64)
+    else:
+        input_ids = np.fromiter(
+            chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends)), np.int64, num_tokens
+        )
+    tables = [seq.block_table for seq in seqs]
+    block_tables = block_table_array(tables, max(map(len, tables)))
     slot_mapping = block_tables[token_seq, positions // block_size] * np.int64(block_size) + positions % block_size
     sampled = [i for i, (seq, end) in enumerate(zip(seqs, ends)) if end == len(seq.token_ids)]
     owners = [seqs[i] for i in sampled]
     sample_rows = query_start_loc[1:][sampled] - 1
+    # Only these can complete a prompt, fork or have prompt logprobs (in a decode step, usually none).
+    in_prompt = [i for i, (seq, s) in enumerate(zip(seqs, starts)) if s < seq.num_prompt_tokens]
     # A request's other samples take their first tokens from the row that completes its prompt (they fork after it).
-    forking = [(i, fork) for i in sampled for fork in seqs[i].forks]
+    forking = [(i, fork) for i in in_prompt if ends[i] == len(seqs[i].token_ids) for fork in seqs[i].forks]
     if forking:
         sample_rows = np.concatenate([sample_rows, [query_start_loc[i + 1] - 1 for i, _ in forking]])
         owners += [fork for _, fork in forking]
     # A pending token is its sequence's only uncomputed token, so it is that sequence's first (only) new row.
     pending = [i for i, seq in enumerate(seqs) if seq.pending_sample_index >= 0]
-    spans, prompt_logprob_rows = prompt_logprob_spans(seqs, start, seq_lens, query_start_loc)
+    spans, prompt_logprob_rows = prompt_logprob_spans(seqs, in_prompt, start, seq_lens, query_start_loc)
     plan = StepPlan(
         step_id=step_id,
         input_ids=input_ids,

@@ -92,7 +92,7 @@ class StepResult:
 
 
 class StepPipeline:
-    """Drives a scheduler and a worker (anything with execute(plan, previous) -> StepOutput and table_width).
+    """Drives a scheduler and a worker (anything with execute(plan, previous) -> StepOutput).
     decode: a token id's text for Logprob.decoded_token (None leaves it None)."""
 
     def __init__(self, scheduler: Scheduler, worker, overlap: bool, decode: Callable[[int], str] | None = None):
@@ -136,8 +136,7 @@ class StepPipeline:
             return None
         batched_at = time.perf_counter()
         step_id = next(self.step_ids)
-        block_size, table_width = self.scheduler.block_manager.block_size, self.worker.table_width
-        planned = build_step_plan(batch, step_id, block_size, table_width, self.last_sampling)
+        planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.last_sampling)
         planned_at = time.perf_counter()
         sampling = planned.plan.sampling  # kept here: the worker may pad the plan
         output = self.worker.execute(planned.plan, previous.output if previous is not None else None)

@@ -1,4 +1,4 @@
-"""DistributedExecutor: rank 0's side of tensor parallelism, with a Worker's surface (execute, table_width,
+"""DistributedExecutor: rank 0's side of tensor parallelism, with a Worker's surface (execute,
 num_kv_blocks), so the engine drives it exactly like a Worker. Each plan goes to the other ranks first, then rank 0
 runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
 
@@ -99,10 +99,6 @@ class DistributedExecutor:
             "tensor parallelism: %d ranks on %s; weights per rank: %s MiB", size, device.type,
             ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
         )  # fmt: skip
-
-    @property
-    def table_width(self) -> int | None:
-        return self.worker.table_width
 
     @property
     def device(self) -> torch.device:

@@ -50,7 +50,10 @@ PACKED_FIELDS = (
     ("placeholder_sources", np.int64, "seqs", 0),
     ("query_start_loc", np.int32, "seqs", 1),
     ("seq_lens", np.int32, "seqs", 0),
-    ("block_tables", np.int32, "seqs", 0),  # rows of table_width entries
+    # Rows of table_width entries. A plan's tables may be narrower (as wide as its longest): the columns past them
+    # keep earlier steps' block ids. Kernels read a row only up to its seq_len, and the torch backend masks what it
+    # gathers past it; every value ever written is a valid block id.
+    ("block_tables", np.int32, "seqs", 0),
 )
 ALIGNMENT = 64  # bytes: each field's offset in a pack
 
@@ -91,9 +94,13 @@ class PackedInputs:
         end = 0
         for name, _, _, _ in PACKED_FIELDS:
             array = getattr(plan, name)
-            self.host[name][: len(array)] = array
+            host = self.host[name]
+            if array.ndim == 2:  # block tables: a plan's may be narrower than the buffer's rows
+                host[: len(array), : array.shape[1]] = array
+            else:
+                host[: len(array)] = array
             if len(array):
-                end = max(end, self.layout[name][0] + array.nbytes)
+                end = max(end, self.layout[name][0] + host[: len(array)].nbytes)
         self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
         device = self.device
         return StepInputs(

@@ -65,12 +65,11 @@ class Worker:
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        # On CUDA every block table is as wide as max_model_len needs, so the graphs' buffers always fit.
-        self.table_width = -(-max_model_len // config.block_size) if device.type == "cuda" else None
         self.buffers: StepBuffers | None = None
         if device.type == "cuda":
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.table_width, device)
+            table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         with building_with(tp):
@@ -157,8 +156,6 @@ class Worker:
         positions = np.tile(np.arange(seq_len, dtype=np.int64), num_seqs)
         rows = np.repeat(np.arange(num_seqs), seq_len)
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
-        if self.table_width is not None:
-            block_tables = np.pad(block_tables, ((0, 0), (0, self.table_width - block_tables.shape[1])))
         query_start_loc = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
         num_prompt_logprob_rows = 0 if seq_len == 1 else min(PROMPT_LOGPROB_CHUNK, len(positions))
         return StepPlan(

@@ -7,8 +7,9 @@ argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logi
 Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
 
 On CUDA the element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up.
-With PAGEDLLM_FUSED_SAMPLER=1, a CUDA batch that only races (no top-k, top-p or min-p, no seeded row) runs the race as
-one Triton kernel that makes its noise in registers (kernels/race_sampling.py) instead of writing it to memory.
+A CUDA batch that only races (no top-k, top-p or min-p, no seeded row) runs the race as one Triton kernel that makes
+its noise in registers (kernels/race_sampling.py) instead of writing it to memory; PAGEDLLM_FUSED_SAMPLER=0 turns that
+off (the torch path then draws the noise as for the other batches).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
 
-# The fused race: on the H200 a 256-row decode step took 5.95 ms with it, 6.04 ms without (benchmarks/NOTES.md);
-# too little to change the default draws. Read once, at import.
-FUSED_RACE = os.environ.get("PAGEDLLM_FUSED_SAMPLER", "0") == "1"
+# The fused race: on the H200 a 256-row decode step took 5.95 ms with it, 6.04 ms without, and it costs the host
+# 0.19 ms a step against 0.23 ms (benchmarks/NOTES.md). Read once, at import.
+FUSED_RACE = os.environ.get("PAGEDLLM_FUSED_SAMPLER", "1") == "1"
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
 # penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.

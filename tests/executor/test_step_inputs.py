@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 WIDTH = 6
 
 
-def make_plan(query_lens: list[int], seed: int) -> StepPlan:
+def make_plan(query_lens: list[int], seed: int, width: int = WIDTH) -> StepPlan:
     rng = np.random.default_rng(seed)
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
@@ -26,7 +26,7 @@ def make_plan(query_lens: list[int], seed: int) -> StepPlan:
         slot_mapping=rng.integers(0, 500, num_tokens),
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        block_tables=rng.integers(0, 50, (num_seqs, WIDTH)).astype(np.int32),
+        block_tables=rng.integers(0, 50, (num_seqs, width)).astype(np.int32),
         sample_rows=query_start_loc[1:].astype(np.int64) - 1,
         max_query_len=max(query_lens),
         max_seq_len=int(seq_lens.max()),
@@ -50,6 +50,9 @@ def assert_inputs_match(inputs, plan: StepPlan) -> None:
         (inputs.placeholder_rows, plan.placeholder_rows),
         (inputs.placeholder_sources, plan.placeholder_sources),
     ]:
+        if array.ndim == 2:  # block tables: the buffer's rows may be wider than the plan's
+            assert tensor.shape[1] >= array.shape[1]
+            tensor = tensor[:, : array.shape[1]]
         assert tensor.shape == array.shape
         assert tensor.tolist() == array.tolist()
     assert (metadata.max_query_len, metadata.max_seq_len) == (plan.max_query_len, plan.max_seq_len)
@@ -58,7 +61,7 @@ def assert_inputs_match(inputs, plan: StepPlan) -> None:
 
 def test_each_field_reads_back_after_larger_and_smaller_steps():
     pack = PackedInputs(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
-    plans = [make_plan([5, 1, 30, 1, 7, 1, 2, 1], 0), make_plan([1, 1, 1], 1), make_plan([9, 1], 2)]
+    plans = [make_plan([5, 1, 30, 1, 7, 1, 2, 1], 0), make_plan([1, 1, 1], 1, width=2), make_plan([9, 1], 2)]
     for plan in plans:
         assert_inputs_match(pack.upload(plan), plan)
 

@@ -1,6 +1,7 @@
 """The fused race kernel compiled on a CUDA GPU (run there with `pytest -m gpu tests/gpu`): its draws follow
-softmax(logits / T) at Qwen3's vocabulary size, and an engine with the switch on (PAGEDLLM_FUSED_SAMPLER=1, set here
-on the module as the variable sets it at import) keeps greedy and seeded requests' tokens and compiles at start-up."""
+softmax(logits / T) at Qwen3's vocabulary size, and an engine with the switch on (the default;
+PAGEDLLM_FUSED_SAMPLER, set here on the module as the variable sets it at import) keeps greedy and seeded requests'
+tokens and compiles at start-up."""
 
 from __future__ import annotations
 

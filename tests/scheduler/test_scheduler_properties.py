@@ -65,8 +65,6 @@ class FakeWorker:
     filled from a row of the step in flight, and only there; a row's slot was registered for its request and not
     released since, and no slot is held twice."""
 
-    table_width = None
-
     def __init__(self):
         self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
 
