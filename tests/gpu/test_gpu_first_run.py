@@ -95,35 +95,50 @@ def test_requests_after_start_up_compile_nothing(tiny_model_dirs):
 
 @dataclass
 class FirstRun:
-    seconds: float
-    later_seconds: float  # the median of the next three runs
+    ratio: float  # first run / later runs, each against the reference engine's runs beside it
+    timings: str
     one_time_work: dict[str, int]  # what start-up should have done instead: counts in the first run
 
 
-def fresh_engine_runs(directory: str, prompts: list[dict]) -> FirstRun:
+def fresh_engine_runs(directory: str, prompts: list[dict], reference: LLM) -> FirstRun:
+    """A fresh engine's first run and its next three, each timed against runs of a warm reference engine just
+    before and after it, in the same process: this workload is host-bound (a tiny model), and on the GPU machine
+    the host's speed drifts by more than 5% over seconds (benchmarks/NOTES.md), so each time is read against the
+    same work timed on the same host at the same moment."""
     llm = LLM(directory, **SMALL)
+    reference_before = run(reference, prompts, max_tokens=96)
     calls_before = allocator_calls()
     with FullCollections() as collections, CompilationCounter() as compiled:
         first = run(llm, prompts, max_tokens=96)
     mallocs, host_allocs = (after - before for after, before in zip(allocator_calls(), calls_before))
-    later = statistics.median(run(llm, prompts, max_tokens=96) for _ in range(3))
+    reference_times = [reference_before, run(reference, prompts, max_tokens=96)]
+    first_relative = first / statistics.mean(reference_times)
+    later_relative = []
+    for _ in range(3):
+        later = run(llm, prompts, max_tokens=96)
+        reference_times.append(run(reference, prompts, max_tokens=96))
+        later_relative.append(later / statistics.mean(reference_times[-2:]))
     llm.shutdown()
     work = dict(triton_compilations=len(compiled.triton), torch_compile_graphs=compiled.graphs, cuda_malloc=mallocs,
                 cuda_host_alloc=host_allocs, full_garbage_collections=len(collections.pauses))  # fmt: skip
-    return FirstRun(first, later, work)
+    timings = f"first {first:.3f} s, {first_relative:.3f} of the reference's; later " + ", ".join(
+        f"{ratio:.3f}" for ratio in later_relative
+    )
+    return FirstRun(first_relative / statistics.median(later_relative), timings, work)
 
 
 def test_a_fresh_engines_first_run_is_as_fast_as_its_later_ones(tiny_model_dirs):
     """Engines built one after another in one process (the first pays Triton's on-disk cache misses and the process's
-    first pass through the engine's Python, and is not counted). Each later engine's first run compiles nothing,
-    grows neither the caching allocator nor the pinned pool, meets no full garbage collection (start-up did all of
-    that), and the median over engines of first run / median of the next three is within 5%: a median over three
-    engines, since single runs of this host-bound workload on one engine spread by more than 5% (0.37-0.55 s)."""
+    first pass through the engine's Python, and then serves as the warm reference). Each later engine's first run
+    compiles nothing, grows neither the caching allocator nor the pinned pool, meets no full garbage collection
+    (start-up did all of that), and the median over engines of first run / later runs, each against the reference
+    engine timed beside it, is within 5%. (Timed alone, single runs of one engine spread by more than 5%: 0.37-0.55
+    s; in one call three engines' first / later came to 1.14, 0.87 and 1.20.)"""
     prompts = workload(7, 128, (16, 512))
     directory = tiny_model_dirs["llama_gqa_untied"]
-    with LLM(directory, **SMALL) as first_engine:
-        run(first_engine, prompts[:4], max_tokens=4)
-    runs = [fresh_engine_runs(directory, prompts) for _ in range(3)]
+    with LLM(directory, **SMALL) as reference:
+        run(reference, prompts, max_tokens=96)
+        runs = [fresh_engine_runs(directory, prompts, reference) for _ in range(3)]
     assert all(not any(r.one_time_work.values()) for r in runs), [r.one_time_work for r in runs]
-    ratios = [r.seconds / r.later_seconds for r in runs]
-    assert statistics.median(ratios) <= 1.05, [f"first {r.seconds:.3f} s, later {r.later_seconds:.3f} s" for r in runs]
+    print("\n".join(r.timings for r in runs))
+    assert statistics.median(r.ratio for r in runs) <= 1.05, [r.timings for r in runs]
