@@ -84,3 +84,27 @@ def test_decode_steps_use_the_decode_pack_at_fixed_addresses():
     assert_inputs_match(buffers.upload(prefill), prefill)  # the other pack: the decode pack keeps its values
     assert buffers.decode.device["input_ids"][:8].tolist() == decode.input_ids.tolist()
     assert {name: view.data_ptr() for name, view in buffers.decode.device.items()} == addresses
+
+
+def test_an_engine_on_packed_inputs_generates_what_it_does_without_them(llama_dir):
+    """The CUDA path's inputs on CPU: plans packed and copied, decode steps padded to graph batch sizes, block tables
+    narrower than the buffer's rows (their columns past each row hold earlier steps' block ids, which attention must
+    never read). Requests of different lengths end at different steps, chunked and with async scheduling."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 2 for j in range(9 + 23 * i)]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 7 * i, ignore_eos=True) for i in range(6)]
+    settings = dict(max_model_len=256, max_num_batched_tokens=64, async_scheduling=True)
+
+    def tokens(llm) -> list[list[int]]:
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = tokens(LLM(llama_dir, **settings))
+    packed = LLM(llama_dir, **settings)
+    worker = packed.llm_engine.worker
+    worker.buffers = StepBuffers(64, worker.config.max_num_seqs, table_width=256 // 16, device=CPU)
+    uploads = []
+    upload = worker.buffers.upload
+    worker.buffers.upload = lambda plan: uploads.append(plan.block_tables.shape[1]) or upload(plan)
+    assert tokens(packed) == expected
+    assert len(set(uploads)) > 2  # tables of several widths went through the same buffer
