@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.scheduler.block_manager import BlockManager
-from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from pagedllm.scheduler.sequence import FINISHED, PLACEHOLDER, RUNNING, WAITING, Sequence
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class Scheduler:
         for seq in decodes + chunks:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new_tokens):
@@ -122,7 +122,7 @@ class Scheduler:
                     holder.slot = self.free_slots.pop()
                     new_slot_holders.append(holder)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RUNNING
             self.running.append(seq)
             scheduled[seq] = num_new_tokens
             budget -= num_new_tokens
@@ -130,7 +130,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         assert seq.pending_sample_index < 0, "a sequence is preempted only once its tokens are all known"
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -153,7 +153,7 @@ class Scheduler:
             assert fork.token_ids == seq.token_ids, "a sample forks before any token is sampled"
             self.block_manager.fork(seq, fork)
             fork.num_cached_tokens = seq.num_cached_tokens
-            fork.status = SequenceStatus.RUNNING
+            fork.status = RUNNING
             self.running.append(fork)
         seq.forks = []
 
@@ -230,7 +230,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = FINISHED
         seq.finish_reason = reason
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)

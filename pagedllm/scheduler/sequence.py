@@ -18,6 +18,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+# The members as plain names for the per-step loops: on Python 3.11 `SequenceStatus.FINISHED` is looked up through
+# the enum's class at ~80 ns an access, and a decode step of 256 sequences asks about a thousand times.
+WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -68,7 +73,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is FINISHED
 
     @property
     def wants_prompt_logprobs(self) -> bool:
