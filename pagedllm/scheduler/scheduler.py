@@ -185,16 +185,28 @@ class Scheduler:
             seq.pending_sample_index = index
 
     def can_schedule_ahead(self) -> bool:
-        """True when the next step needs no preemption: every running sequence can get the blocks for its
-        largest possible share of the budget, and a copy of a shared block it writes into.
-        (A preempted sequence must not hold a placeholder.)"""
+        """True when the next step needs no preemption (a preempted sequence must not hold a placeholder).
+        The running sequences are scheduled first, with at most `budget` new tokens in all. A sequence's table
+        covers its computed tokens, so n new tokens take at most ceil(n / block_size) <= n / block_size + 1 new
+        blocks, and one copy of a shared block: ceil(budget / block_size) + 2 blocks per running sequence bound the
+        step. With that many free (most steps) nothing is counted; otherwise each running sequence is counted at
+        its largest possible share of the budget."""
+        block_manager = self.block_manager
+        free = block_manager.num_free_blocks
+        if free >= block_manager.blocks_for_tokens(self.max_num_batched_tokens) + 2 * len(self.running):
+            return True
+        return self.blocks_needed_ahead() <= free
+
+    def blocks_needed_ahead(self) -> int:
+        """Blocks the running sequences would take if each got its largest possible share of the budget, and a
+        copy of a shared block it writes into."""
         block_manager, budget = self.block_manager, self.max_num_batched_tokens
         needed = 0
         for seq in self.running:
             total = seq.num_computed_tokens + min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             needed += block_manager.blocks_for_tokens(total) - len(seq.block_table)
             needed += block_manager.shared_partial_block(seq) is not None
-        return needed <= block_manager.num_free_blocks
+        return needed
 
     @staticmethod
     def _length_exhausted(seq: Sequence) -> bool:

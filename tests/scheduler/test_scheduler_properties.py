@@ -4,6 +4,8 @@ also for requests of several samples (n > 1: shared blocks, forks, copy-on-write
 
 from __future__ import annotations
 
+import random
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,7 +93,12 @@ def make_pipeline(scheduler: Scheduler, overlap: bool) -> tuple[StepPipeline, Fa
 
 def pipeline_stepper(pipeline: StepPipeline):
     def step(_: int) -> None:
+        scheduler = pipeline.scheduler
+        ahead = pipeline.in_flight is not None and scheduler.can_schedule_ahead()
+        preemptions = scheduler.num_preemptions
         pipeline.step()
+        if ahead:  # the step scheduled while another was in flight: it must not have preempted
+            assert scheduler.num_preemptions == preemptions, "can_schedule_ahead() said yes, the schedule preempted"
 
     return step
 
@@ -176,3 +183,18 @@ def test_overlapped_steps_keep_invariants(operations, num_blocks, budget, max_nu
         assert -1 not in seq.token_ids
         if seq.finish_reason == "length":
             assert seq.num_output_tokens == seq.sampling_params.max_tokens or seq.num_tokens == MAX_MODEL_LEN
+
+
+def test_a_step_scheduled_ahead_never_preempts():
+    """Small caches and long outputs under overlapped steps: preemptions happen, and never in a step that
+    can_schedule_ahead() let the pipeline schedule while another was in flight (the stepper checks each step)."""
+    rng = random.Random(0)
+    preemptions = 0
+    for _ in range(40):
+        block_manager = BlockManager(rng.randint(6, 16), BLOCK_SIZE)
+        scheduler = Scheduler(block_manager, rng.randint(2, 8), rng.randint(4, MAX_BUDGET), MAX_MODEL_LEN)
+        pipeline, _ = make_pipeline(scheduler, overlap=True)
+        adds = [("add", [rng.randint(0, 2) for _ in range(rng.randint(1, 20))], rng.randint(4, 12), False, 1)]
+        run_program(adds * 8, scheduler, pipeline_stepper(pipeline), pipeline.has_work)
+        preemptions += scheduler.num_preemptions
+    assert preemptions > 0
