@@ -65,7 +65,7 @@ class PackedInputs:
     never moves, so a CUDA graph captured on it reads each later step's values."""
 
     def __init__(self, max_tokens: int, max_seqs: int, table_width: int, device: torch.device):
-        self.max_tokens, self.max_seqs, self.table_width = max_tokens, max_seqs, table_width
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.layout: dict[str, tuple[int, int]] = {}  # name -> (offset, bytes)
         offset = 0
         for name, dtype, rows, extra in PACKED_FIELDS:

@@ -195,9 +195,9 @@ class Scheduler:
         free = block_manager.num_free_blocks
         if free >= block_manager.blocks_for_tokens(self.max_num_batched_tokens) + 2 * len(self.running):
             return True
-        return self.blocks_needed_ahead() <= free
+        return self._blocks_needed_ahead() <= free
 
-    def blocks_needed_ahead(self) -> int:
+    def _blocks_needed_ahead(self) -> int:
         """Blocks the running sequences would take if each got its largest possible share of the budget, and a
         copy of a shared block it writes into."""
         block_manager, budget = self.block_manager, self.max_num_batched_tokens
