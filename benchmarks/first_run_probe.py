@@ -161,6 +161,20 @@ def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
         )
 
 
+PREFILL_PHASES = ("launch_ms", "device_ms", "plan_ms", "schedule_ms")
+
+
+def summarise_prefill(clocks: list[StepClock]) -> None:
+    """Per run, the prefill steps' host phases against their device time. Prefill steps run eagerly, so the host
+    launches every kernel: when the launch takes as long as the device, the device waits for the host, and the
+    host's own phases (plan, schedule), which wait for nothing, show whether the host itself was slower."""
+    print("prefill steps per run, sums (ms): launch (worker.execute) / device (CUDA events) / plan / schedule")
+    for index, clock in enumerate(clocks):
+        steps = [step for step in clock.steps if step["prefill_tokens"]]
+        launch, device, plan, schedule = (sum(step[key] for step in steps) for key in PREFILL_PHASES)
+        print(f"    run {index}: {len(steps)} steps: {launch:.0f} / {device:.0f} / {plan:.1f} / {schedule:.1f}")
+
+
 def reorder_free_blocks(block_manager, order: str) -> None:
     """Hand out the free blocks in another order (no block is held between runs, so all are free)."""
     block_ids = list(block_manager.free_block_ids)
@@ -217,6 +231,7 @@ def main() -> None:
         report(f"run {index}", before, before := snapshot())
     if len(clocks) > 1:
         compare_steps(clocks[0], clocks[1])
+    summarise_prefill(clocks)
     if args.steps_json:
         Path(args.steps_json).write_text(json.dumps([clock.steps for clock in clocks]))
     # Fresh shapes after the runs, as a server sees them: batches of new prompts of sizes the runs never had.

@@ -236,8 +236,10 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
 
 
 def profile_prefill(llm, prompts: list[list[int]]) -> dict:
-    """Print where the workload's prefill steps spend GPU time (torch.profiler): every prompt once, one output token
-    each, so the profiled steps are the prefill steps alone; return their number and kernel time."""
+    """Print where the workload's prefill steps spend GPU and host time (torch.profiler): every prompt once, one
+    output token each, so the profiled steps are the prefill steps alone; return their number and kernel time.
+    Prefill steps run eagerly (no graph), so the host launches every kernel: when the kernels' sum is well below the
+    steps' time, the host sets the pace, and the second table says where its time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
@@ -255,6 +257,7 @@ def profile_prefill(llm, prompts: list[list[int]]) -> dict:
     print(f"\nprofiled prefill: {num_steps} steps, {result['prompt_tokens']:,} prompt tokens, {elapsed:.3f} s under "
           f"the profiler, kernels {kernel_ms:.1f} ms in all")  # fmt: skip
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
     return result
 
 
