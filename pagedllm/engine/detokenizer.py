@@ -74,7 +74,8 @@ class IncrementalDetokenizer:
         """The whole output in one decode, for a request that nobody reads while it runs and that has no stop
         strings: the same text as update() token by token and then finish(), at one tokenizer call per request
         instead of one per token."""
-        assert self.num_output_tokens == 0 and self.can_decode_at_end(), "decode_all takes the whole output, once"
+        # The caller asked can_decode_at_end() when the request came (a tokenizer call); only its cheap half here.
+        assert self.num_output_tokens == 0 and self.stop_checker is None, "decode_all takes the whole output, once"
         self.num_output_tokens = len(token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             token_ids = token_ids[:-1]
