@@ -78,6 +78,8 @@ def per_sequence_paged_attention(query, k_cache, v_cache, metadata: AttentionMet
     seq_lens = metadata.seq_lens.tolist()
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start[index], query_start[index + 1]
+        if start == end:  # an empty padding sequence (a step padded to a graph's shapes)
+            continue
         table = metadata.block_tables[index : index + 1]
         keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
         values = gather_kv(v_cache, v_scale, table, seq_len, query.dtype)[0].transpose(0, 1)

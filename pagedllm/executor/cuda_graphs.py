@@ -1,8 +1,17 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, all reading the same decode pack of StepBuffers.
+"""CUDA graphs: a step replays the whole model forward as one graph instead of launching its kernels one by one.
 
-A decode step of n sequences replays the graph of the smallest captured size >= n; the padding rows have
-seq_len 0 and slot -1, so attention stores nothing for them and returns zeros. The block-table buffer is as
-wide as max_model_len needs, so no sequence's table can outgrow what the graphs were captured with.
+Decode steps: one graph per padded batch size, all reading the decode pack of StepBuffers. A decode step of n
+sequences replays the graph of the smallest captured size >= n; the padding rows have seq_len 0 and slot -1, so
+attention stores nothing for them and returns zeros.
+
+Every other step (prompt chunks, alone or beside decodes): one graph per padded token count, reading the any-step
+pack with max_num_seqs sequence rows. Launched op by op, such a step cost the host about as long as the device took
+for it (~27 ms against ~30 ms for 8,000 tokens of Qwen3-0.6B on the H200), so it ran at the host's pace. The padding
+tokens belong to no sequence and have slot -1; the padding sequences are empty (query_start_loc repeats its last
+value), so the prefill kernel's programs for them return at once.
+
+The block-table buffers are as wide as max_model_len needs, so no sequence's table can outgrow what the graphs
+were captured with.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.executor.step_inputs import StepBuffers
+from pagedllm.executor.step_inputs import PackedInputs, StepBuffers
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -22,23 +31,77 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def graph_token_counts(max_tokens: int) -> list[int]:
+    """Token counts of the prefill graphs: doubling up to 2048 (a short prompt's step pads to at most twice its
+    tokens, cheap next to launching it op by op), then every 1024 (at most 1023 padding tokens on a long step)."""
+    counts = [count for count in (16, 32, 64, 128, 256, 512, 1024, 2048) if count < max_tokens]
+    counts += list(range(3072, max_tokens, 1024))
+    return counts + [max_tokens]
+
+
 def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int:
-    """The smallest of the (sorted) captured sizes that holds num_seqs sequences."""
+    """The smallest of the (sorted) captured sizes that holds num_seqs sequences (or tokens)."""
     return batch_sizes[bisect.bisect_left(batch_sizes, num_seqs)]
 
 
-class DecodeGraphs:
-    def __init__(self, model: nn.Module, buffers: StepBuffers, max_num_seqs: int, max_model_len: int):
-        self.model, self.buffers, self.max_model_len = model, buffers, max_model_len
-        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+class StepGraphs:
+    """One graph per size, each writing its rows of `hidden`. Subclasses say which pack a size reads and how."""
+
+    def __init__(self, model: nn.Module, pack: PackedInputs, sizes: list[int], max_rows: int):
+        self.model, self.pack, self.sizes = model, pack, sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         dtype = next(model.parameters()).dtype
-        # [max_num_seqs, hidden_size]: every graph writes its output rows here
-        device = buffers.decode.device_bytes.device
-        self.hidden = torch.empty(max_num_seqs, model.spec.hidden_size, dtype=dtype, device=device)
+        device = pack.device_bytes.device
+        self.hidden = torch.empty(max_rows, model.spec.hidden_size, dtype=dtype, device=device)
 
-    def decode_metadata(self, batch_size: int) -> AttentionMetadata:
-        device = self.buffers.decode.device
+    def metadata(self, size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def forward(self, size: int) -> torch.Tensor:
+        device = self.pack.device
+        return self.model(device["input_ids"][:size], device["positions"][:size], self.metadata(size))
+
+    def empty_inputs(self) -> None:
+        """Every row padding while capturing: nothing is read or stored."""
+        device = self.pack.device
+        device["seq_lens"].zero_()
+        device["slot_mapping"].fill_(-1)
+
+    def capture(self, pool=None):
+        """Capture every size, largest first so that smaller graphs reuse its memory; returns the memory pool, which
+        other graphs may share (steps replay one at a time on one stream)."""
+        self.empty_inputs()
+        for size in reversed(self.sizes):
+            self.forward(size)  # warm-up: compiles kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[:size] = self.forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        for graph in self.graphs.values():
+            graph.replay()  # a graph's first launch uploads it to the device: here, not in some request's step
+        torch.cuda.synchronize()
+        return pool
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.hidden[:size]
+
+
+class DecodeGraphs(StepGraphs):
+    """Decode steps, by padded batch size (one token per sequence)."""
+
+    def __init__(self, model: nn.Module, buffers: StepBuffers, max_num_seqs: int, max_model_len: int):
+        super().__init__(model, buffers.decode, graph_batch_sizes(max_num_seqs), max_num_seqs)
+        self.max_model_len = max_model_len
+
+    def empty_inputs(self) -> None:
+        super().empty_inputs()
+        query_start_loc = self.pack.device["query_start_loc"]
+        query_start_loc.copy_(torch.arange(len(query_start_loc), dtype=torch.int32))
+
+    def metadata(self, batch_size: int) -> AttentionMetadata:
+        device = self.pack.device
         return AttentionMetadata(
             slot_mapping=device["slot_mapping"][:batch_size],
             query_start_loc=device["query_start_loc"][: batch_size + 1],
@@ -49,31 +112,26 @@ class DecodeGraphs:
             decode_only=True,
         )
 
-    def forward(self, batch_size: int) -> torch.Tensor:
-        metadata = self.decode_metadata(batch_size)
-        device = self.buffers.decode.device
-        input_ids, positions = device["input_ids"][:batch_size], device["positions"][:batch_size]
-        return self.model(input_ids, positions, metadata)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        device = self.buffers.decode.device
-        device["seq_lens"].zero_()  # every row is padding while capturing: nothing is read or stored
-        device["slot_mapping"].fill_(-1)
-        query_start_loc = device["query_start_loc"]
-        query_start_loc.copy_(torch.arange(len(query_start_loc), dtype=torch.int32))
-        pool = None
-        for batch_size in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
-            self.forward(batch_size)  # warm-up: compiles kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:batch_size] = self.forward(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-        for graph in self.graphs.values():
-            graph.replay()  # a graph's first launch uploads it to the device: here, not in some request's step
-        torch.cuda.synchronize()
+class PrefillGraphs(StepGraphs):
+    """Every other step, by padded token count, always with max_num_seqs sequence rows (pad_prefill_plan)."""
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        self.graphs[batch_size].replay()
-        return self.hidden[:batch_size]
+    def __init__(self, model: nn.Module, buffers: StepBuffers, max_tokens: int, max_num_seqs: int, max_model_len: int):
+        super().__init__(model, buffers.any_step, graph_token_counts(max_tokens), max_tokens)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+
+    def empty_inputs(self) -> None:
+        super().empty_inputs()
+        self.pack.device["query_start_loc"].zero_()  # every sequence empty
+
+    def metadata(self, num_tokens: int) -> AttentionMetadata:
+        device = self.pack.device
+        return AttentionMetadata(
+            slot_mapping=device["slot_mapping"][:num_tokens],
+            query_start_loc=device["query_start_loc"][: self.max_num_seqs + 1],
+            seq_lens=device["seq_lens"][: self.max_num_seqs],
+            block_tables=device["block_tables"][: self.max_num_seqs],
+            max_query_len=num_tokens,
+            max_seq_len=self.max_model_len,
+            decode_only=False,
+        )

@@ -38,6 +38,23 @@ def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
     plan.block_tables = np.concatenate([plan.block_tables, padding_tables])
 
 
+def pad_prefill_plan(plan: StepPlan, num_tokens: int, num_seqs: int) -> None:
+    """Append padding tokens that belong to no sequence (slot -1: nothing stored) and empty padding sequences
+    (query_start_loc repeats its last value, seq_len 0), so that the step has the shapes of a prefill graph.
+    The padding sequences' block-table rows are not written: an empty sequence's row is never read."""
+    assert not plan.decode_only, "decode steps are padded by pad_decode_plan"
+    extra_tokens, extra_seqs = num_tokens - plan.num_tokens, num_seqs - plan.num_seqs
+    assert extra_tokens >= 0 and extra_seqs >= 0, "a plan is padded only to a larger step"
+    if extra_tokens:
+        plan.input_ids = np.concatenate([plan.input_ids, np.zeros(extra_tokens, np.int64)])
+        plan.positions = np.concatenate([plan.positions, np.zeros(extra_tokens, np.int64)])
+        plan.slot_mapping = np.concatenate([plan.slot_mapping, np.full(extra_tokens, -1, np.int64)])
+    if extra_seqs:
+        last = plan.query_start_loc[-1]
+        plan.query_start_loc = np.concatenate([plan.query_start_loc, np.full(extra_seqs, last, np.int32)])
+        plan.seq_lens = np.concatenate([plan.seq_lens, np.zeros(extra_seqs, np.int32)])
+
+
 # The plan's arrays that go to the device, in their order inside a pack: rows per sequence first, the block tables
 # (by far the largest, num_seqs x table_width) last, so one copy up to the last used table row carries them all.
 # (name, dtype, rows: "tokens" or "seqs", extra rows)

@@ -14,7 +14,13 @@ import torch
 
 from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
-from pagedllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from pagedllm.executor.cuda_graphs import (
+    DecodeGraphs,
+    PrefillGraphs,
+    graph_batch_sizes,
+    graph_token_counts,
+    padded_batch_size,
+)
 from pagedllm.executor.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -23,7 +29,7 @@ from pagedllm.executor.kv_cache import (
     kv_block_bytes,
     measure_warmup_peak,
 )
-from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, wrap_plan
+from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
@@ -66,16 +72,21 @@ class Worker:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.buffers: StepBuffers | None = None
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         if device.type == "cuda":
-            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
+        self.prefill_token_counts = graph_token_counts(max_tokens)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         with building_with(tp):
             self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
         self.backend = select_backend(config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype)
+        # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
+        # so that graphs on and off give bit-identical results (the same matmul shapes).
+        self.pads_steps = self.buffers is not None and self.backend.name == "triton"
         # One slot per sequence the scheduler may have admitted at once (running or preempted): max_num_seqs.
         # Only rank 0 samples.
         self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed) if tp.rank == 0 else None
@@ -86,7 +97,11 @@ class Worker:
         # On CUDA the warm-up always runs, whatever sizes the cache: it compiles and loads what the start-up steps
         # use (largest prefill, largest decode, one-sequence decode), so that no user request pays for it.
         warmup_peak = measure_warmup_peak(device, self.warmup) if device.type == "cuda" else 0
-        num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, warmup_peak)
+        # The prefill graphs keep a forward's activations in their own memory pool, beside what the eager parts of
+        # a step (logits, sampler) allocate: the cache leaves room for the warm-up's peak twice.
+        captures_graphs = self.pads_steps and not config.enforce_eager
+        reserved = warmup_peak * (2 if captures_graphs else 1)
+        num_kv_blocks = choose_num_kv_blocks(config, block_bytes, max_model_len, device, reserved)
         # Every rank holds the same block ids, so the rank with the least room sets the number.
         self.num_kv_blocks = tp.min_over_ranks(num_kv_blocks)
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
@@ -97,9 +112,13 @@ class Worker:
             self.num_kv_blocks * block_bytes / 2**30, ", fp8" if config.kv_cache_dtype == "fp8" else "", device,
             self.backend.name,
         )  # fmt: skip
-        if self.buffers is not None and not config.enforce_eager and self.backend.name == "triton":
+        if captures_graphs:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.buffers, max_tokens, config.max_num_seqs, max_model_len
+            )
+            pool = self.prefill_graphs.capture()  # the largest graphs first: the decode graphs reuse their memory
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
-            self.graphs.capture()
+            self.graphs.capture(pool)
         if device.type == "cuda" and self.sampler is not None:
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
         if device.type == "cuda":  # what a first request would otherwise pay for, paid here
@@ -193,20 +212,15 @@ class Worker:
             self.update_sampler(plan.sampling)
         if len(plan.block_copies):
             self.kv_cache.copy_blocks(upload_array(plan.block_copies, self.device))
-        padded_size = None
-        if self.buffers is not None and plan.decode_only:
-            # A CUDA decode step runs at a graph batch size, with graphs or without: the same matmul shapes make
-            # graphs on and off give bit-identical results.
-            padded_size = padded_batch_size(self.decode_batch_sizes, plan.num_seqs)
-            pad_decode_plan(plan, padded_size)
+        graphs, padded_size = self.pad_to_graph(plan)
         events = StepEvents.create(self.device) if self.record_events else None
         if events is not None:
             events.start.record()
         inputs = self.buffers.upload(plan) if self.buffers is not None else wrap_plan(plan)
         if len(plan.placeholder_rows):
             self.fill_placeholders(inputs, previous)
-        if padded_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(padded_size)
+        if graphs is not None:
+            hidden = graphs.replay(padded_size)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         if events is not None:
@@ -224,6 +238,19 @@ class Worker:
         if events is not None:
             events.end.record()
         return StepOutput(plan.step_id, sampled, prompt_logprobs, events)
+
+    def pad_to_graph(self, plan: StepPlan) -> tuple[DecodeGraphs | PrefillGraphs | None, int | None]:
+        """Pad the plan to the shapes of the graph that runs it (when steps are padded) and return that graph
+        (None when graphs are off) and its size."""
+        if plan.decode_only and self.buffers is not None:  # decode steps are padded whatever the backend
+            padded_size = padded_batch_size(self.decode_batch_sizes, plan.num_seqs)
+            pad_decode_plan(plan, padded_size)
+            return self.graphs, padded_size
+        if plan.decode_only or not self.pads_steps:
+            return None, None
+        padded_size = padded_batch_size(self.prefill_token_counts, plan.num_tokens)
+        pad_prefill_plan(plan, padded_size, self.config.max_num_seqs)
+        return self.prefill_graphs, padded_size
 
     def fill_placeholders(self, inputs: StepInputs, previous: StepOutput | None) -> None:
         """Input tokens sampled by the step still in flight are taken from its samples, on the device. Only rank 0
@@ -265,7 +292,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Drop the graphs, the KV cache and the model, so their memory is freed; the worker runs no more steps."""
-        self.graphs = self.kv_cache = self.model = None
+        self.graphs = self.prefill_graphs = self.kv_cache = self.model = None
 
 
 def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.executor.step_inputs import PackedInputs, StepBuffers, pad_decode_plan
+from pagedllm.executor.cuda_graphs import graph_token_counts, padded_batch_size
+from pagedllm.executor.step_inputs import PackedInputs, StepBuffers, pad_decode_plan, pad_prefill_plan
 from pagedllm.executor.step_plan import StepPlan
 
 CPU = torch.device("cpu")
@@ -108,3 +109,63 @@ def test_an_engine_on_packed_inputs_generates_what_it_does_without_them(llama_di
     worker.buffers.upload = lambda plan: uploads.append(plan.block_tables.shape[1]) or upload(plan)
     assert tokens(packed) == expected
     assert len(set(uploads)) > 2  # tables of several widths went through the same buffer
+
+
+def test_prefill_padding_adds_empty_sequences_and_tokens_that_store_nothing():
+    plan = make_plan([5, 1, 30], 6)
+    before = {name: getattr(plan, name).copy() for name in ("input_ids", "slot_mapping", "query_start_loc")}
+    pad_prefill_plan(plan, num_tokens=64, num_seqs=8)
+    assert plan.num_tokens == 64 and plan.num_seqs == 8
+    assert plan.input_ids[:36].tolist() == before["input_ids"].tolist()
+    assert plan.slot_mapping[:36].tolist() == before["slot_mapping"].tolist()
+    assert (plan.slot_mapping[36:] == -1).all()
+    assert plan.query_start_loc.tolist() == before["query_start_loc"].tolist() + [36] * 5
+    assert (plan.seq_lens[3:] == 0).all()
+    assert plan.block_tables.shape[0] == 3  # an empty sequence's row is never read: not written
+    assert plan.sample_rows.tolist() == [4, 5, 35]
+
+
+def test_graph_token_counts_cover_every_step_size():
+    counts = graph_token_counts(8192)
+    assert counts == sorted(set(counts)) and counts[-1] == 8192
+    assert all(count % 16 == 0 for count in counts)
+    for num_tokens in range(1, 8193):
+        padded = padded_batch_size(counts, num_tokens)
+        assert num_tokens <= padded <= max(16, 2 * num_tokens, num_tokens + 1023)
+    assert graph_token_counts(40) == [16, 32, 40]
+
+
+def test_an_engine_with_padded_prefill_steps_generates_what_it_does_without_them(llama_dir):
+    """The CUDA path of prompt steps on CPU: each padded to a prefill graph's token count and to max_num_seqs
+    sequences (empty ones), read through the packs. Prompt logprobs, chunks beside decodes, async scheduling."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 2 for j in range(5 + 19 * i)]} for i in range(5)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + 5 * i, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
+        for i in range(5)
+    ]
+    settings = dict(max_model_len=256, max_num_batched_tokens=40, max_num_seqs=8, async_scheduling=True)
+
+    def outputs(llm) -> list:
+        results = llm.generate(prompts, params, use_tqdm=False)
+        return [(result.outputs[0].token_ids, result.prompt_logprobs) for result in results]
+
+    expected = outputs(LLM(llama_dir, **settings))
+    padded = LLM(llama_dir, **settings)
+    worker = padded.llm_engine.worker
+    worker.buffers = StepBuffers(40, worker.config.max_num_seqs, table_width=256 // 16, device=CPU)
+    worker.pads_steps = True
+    sizes = []
+    pad = worker.pad_to_graph
+    worker.pad_to_graph = lambda plan: sizes.append((plan.num_tokens, plan.decode_only)) or pad(plan)
+    got = outputs(padded)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, ours), (_, theirs) in zip(got, expected):
+        assert (ours is None) == (theirs is None)
+        for position_ours, position_theirs in zip(ours or [], theirs or []):
+            assert (position_ours is None) == (position_theirs is None)
+            for token, logprob in (position_theirs or {}).items():
+                assert abs(position_ours[token].logprob - logprob.logprob) < 1e-4
+    prompt_steps = [num_tokens for num_tokens, decode_only in sizes if not decode_only]
+    assert any(num_tokens not in (16, 32, 40) for num_tokens in prompt_steps)  # steps that needed padding

@@ -85,9 +85,16 @@ def eager_tokens(tiny_model_dirs, dtype: str, max_num_seqs: int = 16, batch: lis
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("max_num_seqs", [16, 3])  # 3: graphs of sizes 1, 2, 3 only, so padding and bucketing
 def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype, max_num_seqs):
+    """Decode steps replay decode graphs, prompt steps prefill graphs; enforce_eager pads to the same shapes."""
     llm = LLM(tiny_model_dirs["qwen3"], dtype=dtype, **{**SMALL, "max_num_seqs": max_num_seqs})
-    assert llm.llm_engine.worker.graphs is not None
+    worker = llm.llm_engine.worker
+    assert worker.graphs is not None and worker.prefill_graphs is not None
+    replayed = []
+    for graphs in (worker.graphs, worker.prefill_graphs):
+        replay = graphs.replay
+        graphs.replay = lambda size, graphs=graphs, replay=replay: replayed.append((graphs, size)) or replay(size)
     assert tokens(llm, prompts(1)) == eager_tokens(tiny_model_dirs, dtype, max_num_seqs)
+    assert {graphs for graphs, _ in replayed} == {worker.graphs, worker.prefill_graphs}
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import pytest
 import torch
 from interpreter_child import interpreter_results
-from paged_batch import Step, check_step
+from paged_batch import Step, bitwise_equal, check_step, make_batch, run_kernels
 
 PREFILL_TILES = {"block_m": 16, "block_n": 16}
 STEPS = {
@@ -102,6 +102,43 @@ def test_fp8_tiles_of_unwritten_slots_add_nothing(results: dict) -> None:
     assert record["max_diff_to_bf16_dots_path"] < 1e-2, record
 
 
+def test_a_step_padded_to_a_prefill_graph_computes_the_same(results: dict) -> None:
+    """Padding tokens that belong to no sequence (slot -1) and empty sequences, as pad_prefill_plan adds them: the
+    real rows' output and the cache come out bit for bit as without the padding."""
+    record = results["padded_prefill"]
+    assert record["traceback"] is None, record["traceback"]
+    assert record["same_rows"] and record["same_cache"], record
+
+
+def padded_prefill() -> dict:
+    """A mixed step (a decode row and two prompt chunks, fp8 cache) through the store and prefill kernels, then the
+    same step padded with 11 tokens and 5 empty sequences on a copy of the cache."""
+    from pagedllm.kernels import prefill_attention, store_kv_cache
+
+    step = Step((1, 19, 9), (50, 19, 30), kv_cache_dtype="fp8", kernel_args=PREFILL_TILES)
+    batch = make_batch(step, torch.Generator().manual_seed(2))
+    md, scale = batch.metadata, step.head_dim**-0.5
+    padded_caches = [cache.clone() for cache in batch.caches()]
+    plain = run_kernels(batch, step, scale)
+
+    num_tokens, extra_tokens, extra_seqs = batch.query.shape[0], 11, 5
+    pad_rows = lambda t: torch.cat([t, torch.randn(extra_tokens, *t.shape[1:]).to(t.dtype)])  # noqa: E731
+    query, key, value = pad_rows(batch.query), pad_rows(batch.key), pad_rows(batch.value)
+    slots = torch.cat([md.slot_mapping, torch.full((extra_tokens,), -1, dtype=md.slot_mapping.dtype)])
+    query_start_loc = torch.cat([md.query_start_loc, md.query_start_loc[-1:].repeat(extra_seqs)])
+    seq_lens = torch.cat([md.seq_lens, torch.zeros(extra_seqs, dtype=md.seq_lens.dtype)])
+    k_cache, v_cache, k_scale, v_scale = padded_caches
+    store_kv_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    out = torch.full_like(query, float("nan"))
+    prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, md.block_tables, scale, out=out,
+                      k_scale=k_scale, v_scale=v_scale, **step.kernel_args)  # fmt: skip
+    return {
+        "same_rows": bitwise_equal(out[:num_tokens], plain),
+        "same_cache": all(bitwise_equal(a, b) for a, b in zip(padded_caches, batch.caches())),
+        "traceback": None,
+    }
+
+
 def zero_scale_tiles() -> dict:
     """Decode over a block table whose second row points at blocks never written (scales 0), both conversions."""
     from pagedllm.kernels.decode_attention import decode_attention
@@ -151,6 +188,10 @@ def main() -> None:
         records["zero_scale_tiles"] = zero_scale_tiles()
     except Exception:
         records["zero_scale_tiles"] = {"traceback": traceback.format_exc()}
+    try:
+        records["padded_prefill"] = padded_prefill()
+    except Exception:
+        records["padded_prefill"] = {"traceback": traceback.format_exc()}
     print(json.dumps(records))
 
 
