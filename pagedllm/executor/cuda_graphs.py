@@ -8,7 +8,7 @@ Every other step (prompt chunks, alone or beside decodes): one graph per padded 
 pack with max_num_seqs sequence rows. Launched op by op, such a step cost the host about as long as the device took
 for it (~27 ms against ~30 ms for 8,000 tokens of Qwen3-0.6B on the H200), so it ran at the host's pace. The padding
 tokens belong to no sequence and have slot -1; the padding sequences are empty (query_start_loc repeats its last
-value), so the prefill kernel's programs for them return at once.
+value), so the prefill kernel's programs for them return at once. Steps above MAX_GRAPH_TOKENS run eagerly.
 
 The block-table buffers are as wide as max_model_len needs, so no sequence's table can outgrow what the graphs
 were captured with.
@@ -31,12 +31,19 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+# Steps of more tokens run eagerly: their device time (~4 us a token for Qwen3-0.6B on the H200) outgrows the ~27 ms
+# their launch costs the host, and a graph would hold that many tokens' activations for good.
+MAX_GRAPH_TOKENS = 8192
+
+
 def graph_token_counts(max_tokens: int) -> list[int]:
     """Token counts of the prefill graphs: doubling up to 2048 (a short prompt's step pads to at most twice its
-    tokens, cheap next to launching it op by op), then every 1024 (at most 1023 padding tokens on a long step)."""
-    counts = [count for count in (16, 32, 64, 128, 256, 512, 1024, 2048) if count < max_tokens]
-    counts += list(range(3072, max_tokens, 1024))
-    return counts + [max_tokens]
+    tokens, cheap next to launching it op by op), then every 1024 (at most 1023 padding tokens on a long step), up to
+    the token budget or MAX_GRAPH_TOKENS."""
+    largest = min(max_tokens, MAX_GRAPH_TOKENS)
+    counts = [count for count in (16, 32, 64, 128, 256, 512, 1024, 2048) if count < largest]
+    counts += list(range(3072, largest, 1024))
+    return counts + [largest]
 
 
 def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int:
@@ -116,8 +123,10 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     """Every other step, by padded token count, always with max_num_seqs sequence rows (pad_prefill_plan)."""
 
-    def __init__(self, model: nn.Module, buffers: StepBuffers, max_tokens: int, max_num_seqs: int, max_model_len: int):
-        super().__init__(model, buffers.any_step, graph_token_counts(max_tokens), max_tokens)
+    def __init__(
+        self, model: nn.Module, buffers: StepBuffers, token_counts: list[int], max_num_seqs: int, max_model_len: int
+    ):
+        super().__init__(model, buffers.any_step, token_counts, token_counts[-1])
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
     def empty_inputs(self) -> None:

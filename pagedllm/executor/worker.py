@@ -114,7 +114,7 @@ class Worker:
         )  # fmt: skip
         if captures_graphs:
             self.prefill_graphs = PrefillGraphs(
-                self.model, self.buffers, max_tokens, config.max_num_seqs, max_model_len
+                self.model, self.buffers, self.prefill_token_counts, config.max_num_seqs, max_model_len
             )
             pool = self.prefill_graphs.capture()  # the largest graphs first: the decode graphs reuse their memory
             self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
@@ -246,7 +246,7 @@ class Worker:
             padded_size = padded_batch_size(self.decode_batch_sizes, plan.num_seqs)
             pad_decode_plan(plan, padded_size)
             return self.graphs, padded_size
-        if plan.decode_only or not self.pads_steps:
+        if plan.decode_only or not self.pads_steps or plan.num_tokens > self.prefill_token_counts[-1]:
             return None, None
         padded_size = padded_batch_size(self.prefill_token_counts, plan.num_tokens)
         pad_prefill_plan(plan, padded_size, self.config.max_num_seqs)

@@ -133,11 +133,13 @@ def test_graph_token_counts_cover_every_step_size():
         padded = padded_batch_size(counts, num_tokens)
         assert num_tokens <= padded <= max(16, 2 * num_tokens, num_tokens + 1023)
     assert graph_token_counts(40) == [16, 32, 40]
+    assert graph_token_counts(32768)[-1] == 8192  # larger steps run eagerly
 
 
 def test_an_engine_with_padded_prefill_steps_generates_what_it_does_without_them(llama_dir):
     """The CUDA path of prompt steps on CPU: each padded to a prefill graph's token count and to max_num_seqs
-    sequences (empty ones), read through the packs. Prompt logprobs, chunks beside decodes, async scheduling."""
+    sequences (empty ones), or above the largest count left as it is, read through the packs. Prompt logprobs,
+    chunks beside decodes, async scheduling."""
     from pagedllm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 2 for j in range(5 + 19 * i)]} for i in range(5)]
@@ -156,6 +158,7 @@ def test_an_engine_with_padded_prefill_steps_generates_what_it_does_without_them
     worker = padded.llm_engine.worker
     worker.buffers = StepBuffers(40, worker.config.max_num_seqs, table_width=256 // 16, device=CPU)
     worker.pads_steps = True
+    worker.prefill_token_counts = [16, 32]  # steps of 33-40 tokens run as they are, as steps above 8192 do on CUDA
     sizes = []
     pad = worker.pad_to_graph
     worker.pad_to_graph = lambda plan: sizes.append((plan.num_tokens, plan.decode_only)) or pad(plan)
@@ -168,4 +171,5 @@ def test_an_engine_with_padded_prefill_steps_generates_what_it_does_without_them
             for token, logprob in (position_theirs or {}).items():
                 assert abs(position_ours[token].logprob - logprob.logprob) < 1e-4
     prompt_steps = [num_tokens for num_tokens, decode_only in sizes if not decode_only]
-    assert any(num_tokens not in (16, 32, 40) for num_tokens in prompt_steps)  # steps that needed padding
+    assert any(num_tokens not in (16, 32) and num_tokens <= 32 for num_tokens in prompt_steps)  # padded
+    assert any(num_tokens > 32 for num_tokens in prompt_steps)  # not padded
