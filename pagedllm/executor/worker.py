@@ -8,6 +8,8 @@ order (their collectives pair up that way), and only rank 0 has a sampler.
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -113,17 +115,29 @@ class Worker:
             self.backend.name,
         )  # fmt: skip
         if captures_graphs:
-            self.prefill_graphs = PrefillGraphs(
-                self.model, self.buffers, self.prefill_token_counts, config.max_num_seqs, max_model_len
-            )
-            pool = self.prefill_graphs.capture()  # the largest graphs first: the decode graphs reuse their memory
-            self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, max_model_len)
-            self.graphs.capture(pool)
+            self.capture_graphs(log)
         if device.type == "cuda" and self.sampler is not None:
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
         if device.type == "cuda":  # what a first request would otherwise pay for, paid here
             self.refill_allocator()
             fill_pinned_pool()
+
+    def capture_graphs(self, log: Callable[..., None]) -> None:
+        """The prefill graphs, then the decode graphs into the same memory pool (the largest first: the others
+        reuse its memory); logs how long it took and how much memory the pool holds."""
+        config, started, reserved = self.config, time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        self.prefill_graphs = PrefillGraphs(
+            self.model, self.buffers, self.prefill_token_counts, config.max_num_seqs, self.max_model_len
+        )
+        pool = self.prefill_graphs.capture()
+        self.graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, self.max_model_len)
+        self.graphs.capture(pool)
+        log(
+            "CUDA graphs: %d prompt-step sizes (%d-%d tokens) and %d decode batch sizes in %.1f s, %.2f GiB",
+            len(self.prefill_graphs.sizes), self.prefill_graphs.sizes[0], self.prefill_graphs.sizes[-1],
+            len(self.graphs.sizes), time.perf_counter() - started,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**30,
+        )  # fmt: skip
 
     def bind_kv_cache(self, num_blocks: int) -> KVCache:
         kv_cache = allocate_kv_cache(
