@@ -165,9 +165,9 @@ PREFILL_PHASES = ("launch_ms", "device_ms", "plan_ms", "schedule_ms")
 
 
 def summarise_prefill(clocks: list[StepClock]) -> None:
-    """Per run, the prefill steps' host phases against their device time. Prefill steps run eagerly, so the host
-    launches every kernel: when the launch takes as long as the device, the device waits for the host, and the
-    host's own phases (plan, schedule), which wait for nothing, show whether the host itself was slower."""
+    """Per run, the prefill steps' host phases against their device time. When the launch takes as long as the
+    device (prompt steps launched op by op, without prefill graphs), the device waits for the host, and the host's
+    own phases (plan, schedule), which wait for nothing, show whether the host itself was slower."""
     print("prefill steps per run, sums (ms): launch (worker.execute) / device (CUDA events) / plan / schedule")
     for index, clock in enumerate(clocks):
         steps = [step for step in clock.steps if step["prefill_tokens"]]

@@ -238,8 +238,8 @@ def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
 def profile_prefill(llm, prompts: list[list[int]]) -> dict:
     """Print where the workload's prefill steps spend GPU and host time (torch.profiler): every prompt once, one
     output token each, so the profiled steps are the prefill steps alone; return their number and kernel time.
-    Prefill steps run eagerly (no graph), so the host launches every kernel: when the kernels' sum is well below the
-    steps' time, the host sets the pace, and the second table says where its time goes."""
+    When the kernels' sum is well below the steps' time, the host sets the pace, and the second table says where its
+    time goes (prompt steps replay CUDA graphs unless enforce_eager; launched op by op, they were host-bound)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
