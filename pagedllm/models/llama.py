@@ -46,14 +46,24 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
         query = query.view(-1, self.num_heads, self.head_dim)
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary_emb(positions, query, key)
+        if qkv.is_cuda:  # the q/k norms and the rotation as one kernel, in place in qkv (query and key view it)
+            self.rotate_in_place(qkv, positions)
+        else:
+            if self.qk_norm:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = self.rotary_emb(positions, query, key)
         return self.o_proj(self.attn(query, key, value, metadata))
+
+    def rotate_in_place(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
+        from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only on CUDA
+
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        rotate_qk_(qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norms)
 
 
 class GatedMLP(nn.Module):

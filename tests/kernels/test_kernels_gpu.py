@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_batch import Step, check_step, make_batch
+from rotary_case import rotate_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,3 +88,15 @@ def test_decode_graph_replay_matches_eager(kv_cache_dtype, head_dim):
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads", [(16, 8, 128, True), (32, 4, 64, False), (4, 2, 80, True), (6, 2, 96, False), (8, 1, 64, True)]
+)
+def test_qk_norm_and_rotation_match_torch(heads, dtype):
+    """kernels/rotary.rotate_qk_ compiled, against the torch path in the same dtype (one rounding apart at most)."""
+    num_q_heads, num_kv_heads, head_dim, norm = heads
+    record = rotate_case(num_q_heads, num_kv_heads, head_dim, dtype, norm, device="cuda")
+    assert record["values_untouched"]
+    assert record["rel_err"] < TOLERANCE, record

@@ -16,6 +16,7 @@ import pytest
 import torch
 from interpreter_child import interpreter_results
 from paged_batch import Step, bitwise_equal, check_step, make_batch, run_kernels
+from rotary_case import rotate_case
 
 PREFILL_TILES = {"block_m": 16, "block_n": 16}
 STEPS = {
@@ -139,6 +140,24 @@ def padded_prefill() -> dict:
     }
 
 
+# (num_q_heads, num_kv_heads, head_dim, dtype, norm): Qwen3-like, TinyLlama-like (no norm), head_dim 80, float16
+ROTATE_CASES = {
+    "qwen3_like": (16, 8, 128, "float32", True),
+    "tinyllama_like": (32, 4, 64, "float32", False),
+    "head_dim80_float16": (4, 2, 80, "float16", True),
+    "group3_float16_no_norm": (6, 2, 96, "float16", False),
+}
+
+
+@pytest.mark.parametrize("name", ROTATE_CASES)
+def test_qk_norm_and_rotation_in_place_match_torch(results: dict, name: str) -> None:
+    """kernels/rotary.rotate_qk_ against layers/norm.rms_norm and layers/rotary.apply_rotary (the CPU path)."""
+    record = results[f"rotate_{name}"]
+    assert record["traceback"] is None, record["traceback"]
+    assert record["values_untouched"], "the value heads must not change"
+    assert record["rel_err"] < TOLERANCE[ROTATE_CASES[name][3]], record
+
+
 def zero_scale_tiles() -> dict:
     """Decode over a block table whose second row points at blocks never written (scales 0), both conversions."""
     from pagedllm.kernels.decode_attention import decode_attention
@@ -192,6 +211,11 @@ def main() -> None:
         records["padded_prefill"] = padded_prefill()
     except Exception:
         records["padded_prefill"] = {"traceback": traceback.format_exc()}
+    for name, case in ROTATE_CASES.items():
+        try:
+            records[f"rotate_{name}"] = rotate_case(*case)
+        except Exception:
+            records[f"rotate_{name}"] = {"traceback": traceback.format_exc()}
     print(json.dumps(records))
 
 
