@@ -10,8 +10,10 @@ Run on a GPU: python benchmarks/first_run_probe.py --shape qwen3-0.6b [--num-seq
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import random
 import time
 from collections import OrderedDict
@@ -161,6 +163,25 @@ def compare_steps(first: StepClock, later: StepClock, top: int = 12) -> None:
         )
 
 
+def compare_profiles(first: dict, second: dict, top: int = 25) -> None:
+    """The functions whose own time (tottime) grew most from run 1 to run 0, then their cumulative time."""
+
+    def label(key):
+        filename, line, name = key
+        return f"{'/'.join(filename.rsplit('/', 2)[-2:])}:{line}({name})"
+
+    rows = []
+    for key, (calls, _, tottime, cumtime, _) in first.items():
+        other = second.get(key, (0, 0, 0.0, 0.0, {}))
+        rows.append((tottime - other[2], cumtime - other[3], calls, other[0], key))
+    print("cProfile, run 0 minus run 1: own time (ms), cumulative (ms), calls run 0 / run 1, function")
+    for own, cumulative, calls, other_calls, key in sorted(rows, key=lambda row: row[0], reverse=True)[:top]:
+        print(f"    {1e3 * own:+8.1f} {1e3 * cumulative:+8.1f} {calls:>8} / {other_calls:<8} {label(key)}")
+    print("cProfile, run 0 minus run 1, largest cumulative:")
+    for own, cumulative, calls, other_calls, key in sorted(rows, key=lambda row: row[1], reverse=True)[:top]:
+        print(f"    {1e3 * own:+8.1f} {1e3 * cumulative:+8.1f} {calls:>8} / {other_calls:<8} {label(key)}")
+
+
 PREFILL_PHASES = ("launch_ms", "device_ms", "plan_ms", "schedule_ms")
 
 
@@ -200,6 +221,8 @@ def main() -> None:
         help="order of the free KV blocks before run 0: as start-up left it (block 0 first), starting half-way "
         "through the cache, or in random order (where run 0's blocks lie in memory)",
     )
+    parser.add_argument("--cprofile", action="store_true", help="cProfile each run; print what run 0 spent more on")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (A/B)")
     parser.add_argument(
         "--host-only", action="store_true", help="time steps on the host clock alone, as bench does (no CUDA events)"
     )
@@ -218,11 +241,22 @@ def main() -> None:
     timed_run(llm, prompts[:8], [16] * 8)
     report("bench warm-up (8 prompts x 16 tokens)", before, before := snapshot())
     reorder_free_blocks(llm.llm_engine.block_manager, args.free_list)
-    clocks = []
+    if args.gc_freeze:
+        gc.freeze()
+    clocks, profiles = [], []
     for index in range(args.runs):
         clocks.append(StepClock())
         llm.llm_engine.add_step_listener(clocks[-1].add, device_timings=not args.host_only)
+        first_pause = len(GC_PAUSES)
+        profiler = cProfile.Profile() if args.cprofile else None
+        if profiler is not None:
+            profiler.enable()
         result = timed_run(llm, prompts, output_lens)
+        if profiler is not None:
+            profiler.disable()
+            profiles.append(pstats.Stats(profiler).stats)
+        long_pauses = [f"gen {gen} {1e3 * s:.1f} ms" for gen, s in GC_PAUSES[first_pause:] if s > 2e-3]
+        print(f"run {index}: collections over 2 ms: {', '.join(long_pauses) or 'none'}")
         llm.llm_engine.remove_step_listener(clocks[-1].add)
         print(
             f"run {index}: {result.tokens_per_s:,.0f} tok/s (prefill {result.prefill_s:.2f} s, "
@@ -231,6 +265,8 @@ def main() -> None:
         report(f"run {index}", before, before := snapshot())
     if len(clocks) > 1:
         compare_steps(clocks[0], clocks[1])
+    if len(profiles) > 1:
+        compare_profiles(profiles[0], profiles[1])
     summarise_prefill(clocks)
     if args.steps_json:
         Path(args.steps_json).write_text(json.dumps([clock.steps for clock in clocks]))

@@ -120,6 +120,7 @@ class Worker:
             self.sampler.warmup()  # compiles every sampler path now rather than in some request's step
         if device.type == "cuda":  # what a first request would otherwise pay for, paid here
             self.refill_allocator()
+            self.warm_logit_row_counts()
             fill_pinned_pool()
 
     def capture_graphs(self, log: Callable[..., None]) -> None:
@@ -181,6 +182,19 @@ class Worker:
                 self.execute(plan)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warm_logit_row_counts(self) -> None:
+        """The lm head's GEMM runs eagerly, after a step's graph, on the rows the step samples (1..max_num_seqs) or
+        on a chunk of prompt-logprob rows (up to PROMPT_LOGPROB_CHUNK). The first GEMM at each new row count waited
+        for the device: TinyLlama's first benchmark run spent 0.58 s more inside this GEMM than its second run
+        (cProfile, H200), its launches serialised behind the device, so its first run was 94% of the later ones.
+        Every row count once, here (a few hundred small GEMMs)."""
+        num_rows = max(self.config.max_num_seqs, PROMPT_LOGPROB_CHUNK)
+        hidden = torch.zeros(num_rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, num_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
         """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,
