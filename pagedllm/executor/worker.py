@@ -194,7 +194,8 @@ class Worker:
         hidden = torch.zeros(num_rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         for rows in range(1, num_rows + 1):
             self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def synthetic_plan(self, block_tables: np.ndarray, seq_len: int) -> StepPlan:
         """Every sequence computes seq_len tokens of id 0 from scratch and samples with WARMUP_SAMPLING (on rank 0,

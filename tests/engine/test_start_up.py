@@ -1,10 +1,11 @@
-"""Start-up leaves nothing for the garbage collector to find in the first run."""
+"""Start-up leaves nothing for the first run: nothing for the garbage collector to find, no row count the lm head
+has not met."""
 
 from __future__ import annotations
 
 import gc
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 
 
 def test_start_up_ends_with_a_full_collection(tiny_model_dirs):
@@ -25,4 +26,29 @@ def test_start_up_ends_with_a_full_collection(tiny_model_dirs):
         gc.callbacks.remove(record)
     older = [generation for generation in collected if generation >= 1]
     assert older and older[-1] == 2, older[-12:]
+    llm.shutdown()
+
+
+def test_lm_head_warm_up_covers_every_row_count_steps_use(tiny_model_dirs, monkeypatch):
+    """On CUDA the lm head's first GEMM at a new row count waited for the device (0.58 s of TinyLlama's first run on
+    the H200), so start-up runs it at every row count a step can pass it (Worker.warm_logit_row_counts; on CUDA only,
+    called here by hand). A workload of every kind of step, batches larger than max_num_seqs, n > 1 and prompt
+    logprobs, passes the lm head no row count that the warm-up did not."""
+    llm = LLM(tiny_model_dirs["qwen3"], max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True)
+    worker = llm.llm_engine.worker
+    row_counts: list[int] = []
+    compute_logits = worker.model.compute_logits
+
+    def recording(hidden):
+        row_counts.append(len(hidden))
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(worker.model, "compute_logits", recording)
+    worker.warm_logit_row_counts()
+    warmed = set(row_counts)
+    row_counts.clear()
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(5 + 9 * i)]} for i in range(13)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.generate(prompts[:3], SamplingParams(n=3, max_tokens=4, prompt_logprobs=2, ignore_eos=True))
+    assert len(set(row_counts)) > 5 and set(row_counts) <= warmed, sorted(set(row_counts) - warmed)
     llm.shutdown()
