@@ -23,15 +23,20 @@ class StepInputs:
     placeholder_sources: torch.Tensor
 
 
+def append_padding_tokens(plan: StepPlan, count: int) -> None:
+    """Token 0 at position 0 with slot -1: attention stores nothing for it."""
+    plan.input_ids = np.concatenate([plan.input_ids, np.zeros(count, np.int64)])
+    plan.positions = np.concatenate([plan.positions, np.zeros(count, np.int64)])
+    plan.slot_mapping = np.concatenate([plan.slot_mapping, np.full(count, -1, np.int64)])
+
+
 def pad_decode_plan(plan: StepPlan, num_seqs: int) -> None:
     """Append padding sequences of one token, seq_len 0 and slot -1: attention stores and reads nothing for them."""
     assert plan.decode_only, "only decode steps (one token per sequence) are padded"
     extra = num_seqs - plan.num_seqs
     if extra <= 0:
         return
-    plan.input_ids = np.concatenate([plan.input_ids, np.zeros(extra, np.int64)])
-    plan.positions = np.concatenate([plan.positions, np.zeros(extra, np.int64)])
-    plan.slot_mapping = np.concatenate([plan.slot_mapping, np.full(extra, -1, np.int64)])
+    append_padding_tokens(plan, extra)
     plan.query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
     plan.seq_lens = np.concatenate([plan.seq_lens, np.zeros(extra, np.int32)])
     padding_tables = np.zeros((extra, plan.block_tables.shape[1]), np.int32)
@@ -46,9 +51,7 @@ def pad_prefill_plan(plan: StepPlan, num_tokens: int, num_seqs: int) -> None:
     extra_tokens, extra_seqs = num_tokens - plan.num_tokens, num_seqs - plan.num_seqs
     assert extra_tokens >= 0 and extra_seqs >= 0, "a plan is padded only to a larger step"
     if extra_tokens:
-        plan.input_ids = np.concatenate([plan.input_ids, np.zeros(extra_tokens, np.int64)])
-        plan.positions = np.concatenate([plan.positions, np.zeros(extra_tokens, np.int64)])
-        plan.slot_mapping = np.concatenate([plan.slot_mapping, np.full(extra_tokens, -1, np.int64)])
+        append_padding_tokens(plan, extra_tokens)
     if extra_seqs:
         last = plan.query_start_loc[-1]
         plan.query_start_loc = np.concatenate([plan.query_start_loc, np.full(extra_seqs, last, np.int32)])
