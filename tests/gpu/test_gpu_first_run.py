@@ -133,12 +133,13 @@ def test_a_fresh_engines_first_run_is_as_fast_as_its_later_ones(tiny_model_dirs)
     compiles nothing, grows neither the caching allocator nor the pinned pool, meets no full garbage collection
     (start-up did all of that), and the median over engines of first run / later runs, each against the reference
     engine timed beside it, is within 5%. (Timed alone, single runs of one engine spread by more than 5%: 0.37-0.55
-    s; in one call three engines' first / later came to 1.14, 0.87 and 1.20.)"""
+    s; in one call three engines' first / later came to 1.14, 0.87 and 1.20. Five engines, not three: with three,
+    one run in three crossed 1.05 by noise, while cProfile showed run 0's host work within 1 ms of run 1's.)"""
     prompts = workload(7, 128, (16, 512))
     directory = tiny_model_dirs["llama_gqa_untied"]
     with LLM(directory, **SMALL) as reference:
         run(reference, prompts, max_tokens=96)
-        runs = [fresh_engine_runs(directory, prompts, reference) for _ in range(3)]
+        runs = [fresh_engine_runs(directory, prompts, reference) for _ in range(5)]
     assert all(not any(r.one_time_work.values()) for r in runs), [r.one_time_work for r in runs]
     print("\n".join(r.timings for r in runs))
     assert statistics.median(r.ratio for r in runs) <= 1.05, [r.timings for r in runs]
