@@ -123,9 +123,11 @@ class Worker:
             self.warm_logit_row_counts()
             fill_pinned_pool()
 
+    @torch.inference_mode()
     def capture_graphs(self, log: Callable[..., None]) -> None:
         """The prefill graphs, then the decode graphs into the same memory pool (the largest first: the others
-        reuse its memory); logs how long it took and how much memory the pool holds."""
+        reuse its memory); logs how long it took and how much memory the pool holds. In inference mode, as steps
+        run: torch.compile guards on the grad mode, and outside it the capture compiled each fused function again."""
         config, started, reserved = self.config, time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.prefill_graphs = PrefillGraphs(
             self.model, self.buffers, self.prefill_token_counts, config.max_num_seqs, self.max_model_len

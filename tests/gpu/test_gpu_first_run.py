@@ -93,6 +93,18 @@ def test_requests_after_start_up_compile_nothing(tiny_model_dirs):
     assert counted.triton == [] and counted.graphs == 0, (counted.triton, counted.graphs)
 
 
+def test_graph_capture_compiles_nothing_the_eager_warm_up_did_not(tiny_model_dirs):
+    """The graphs are captured in inference mode, as steps run: torch.compile guards on the grad mode, and a capture
+    outside inference mode compiled every fused function a second time. Compiled code starts empty here, so the
+    eager engine compiles what its warm-up needs and the graph engine may add nothing."""
+    torch._dynamo.reset()
+    directory = tiny_model_dirs["qwen3"]
+    LLM(directory, enforce_eager=True, **SMALL).shutdown()
+    with CompilationCounter() as counted:
+        LLM(directory, **SMALL).shutdown()
+    assert counted.graphs == 0, counted.graphs
+
+
 @dataclass
 class FirstRun:
     ratio: float  # first run / later runs, each against the reference engine's runs beside it
