@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+from pagedllm.loader.fp8_checkpoint import fp8_format, iterate_fp8_safetensors
 from pagedllm.loader.safetensors_loader import iterate_safetensors
 
 
@@ -59,11 +60,16 @@ def open_checkpoint(
 
 def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -> Checkpoint:
     hf_config = AutoConfig.from_pretrained(path)
+    fp8 = fp8_format(hf_config)
     return Checkpoint(
         source=str(path),
         hf_config=hf_config,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer or path) if load_tokenizer else None,
-        named_tensors=lambda dtype: iterate_safetensors(path, dtype),
+        named_tensors=(
+            (lambda dtype: iterate_safetensors(path, dtype))
+            if fp8 is None
+            else (lambda dtype: iterate_fp8_safetensors(path, dtype, fp8))
+        ),
         # transformers 5 names it dtype (and warns on torch_dtype), 4.x torch_dtype
         checkpoint_dtype=getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None),
         generation_config=(
