@@ -1,0 +1,63 @@
+"""FP8 (e4m3) weights and activations for the linear layers on GPUs with FP8 tensor cores (compute capability 8.9+).
+
+Two ways to scale, both with activations quantized as they arrive (dynamic, no calibration):
+- rows: one scale per output row of the weight, one per token of the activations (`torch._scaled_mm` rowwise);
+- blocks: one scale per 128 x 128 block of the weight, one per 128 columns of each token (DeepSeek-V3's and the
+  `-FP8` checkpoints' layout; `torch._scaled_mm` blockwise, SM90).
+value = fp8 x scale, so dequantize(quantize(w)) is w to within e4m3's 3 mantissa bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+BLOCK = 128  # the block scheme's block edge, for weights (128 x 128) and activations (1 x 128)
+MIN_SCALE = 1e-12  # an all-zero row or block gets this scale, not a division by zero
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, float32 scales [rows, 1]): each row scaled so its largest magnitude is FP8_MAX."""
+    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, float32 scales [rows, cols / group]): each `group` columns of a row scaled on their own."""
+    rows, cols = x.shape
+    grouped = x.float().reshape(rows, cols // group, group)
+    scales = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (grouped / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(rows, cols), scales.squeeze(-1)
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, float32 scales [ceil(N / block), ceil(K / block)]) of an [N, K] weight, ragged edges allowed."""
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scales = (tiles.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    values = (tiles / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(padded.shape)[:rows, :cols]
+    return values.contiguous(), scales.reshape(scales.shape[0], scales.shape[2])
+
+
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    expanded = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return values.float() * expanded[: values.shape[0], : values.shape[1]]
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [M, K] (16-bit) times an fp8 weight [N, K] with row scales [N, 1]: activations scaled per token."""
+    values, scales = quantize_rows(x)
+    out = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scales.t(), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def linear_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [M, K] times an fp8 weight [N, K] with 128 x 128 block scales; activations scaled per 128 columns. The
+    activation scales go in column-major, as cuBLAS's blockwise kernels read them."""
+    values, scales = quantize_groups(x)
+    scales = scales.t().contiguous().t()
+    out = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scales.t(), out_dtype=x.dtype)
+    return out if bias is None else out + bias
