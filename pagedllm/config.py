@@ -243,7 +243,9 @@ FIELD_RULES: dict[str, Rule] = {
         lambda value: value in (None, *ATTENTION_BACKENDS),
     ),
     "async_scheduling": Rule(
-        "overlap host bookkeeping with the device's step", (bool, NONE), "True, False or None (on for CUDA)"
+        "overlap host bookkeeping with the device's step; None: on for CUDA",
+        (bool, NONE),
+        "True, False or None (on for CUDA)",
     ),
     "trace_file": Rule(
         "write a Chrome/Perfetto trace of every step and request here (see `pagedllm trace-summary`)",
