@@ -41,16 +41,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> argparse.
     group = parser.add_argument_group("engine", "the engine's settings (LLM's keywords, EngineConfig)")
     names = engine_fields(command)
     for name in names:
-        rule = FIELD_RULES[name]
-        help_text = name_flags(flag_help(rule, DEFAULTS[name]), names).replace("%", "%%")
+        rule, default = FIELD_RULES[name], DEFAULTS[name]
+        help_text = name_flags(flag_help(rule, default), names).replace("%", "%%")
         if bool in rule.types:
-            group.add_argument(
-                flag(name), action=argparse.BooleanOptionalAction, default=DEFAULTS[name], help=help_text
-            )
+            group.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             value_type = float if float in rule.types else int if int in rule.types else str
             metavar = {float: "X", int: "N", str: None}[value_type]
-            group.add_argument(flag(name), type=value_type, default=DEFAULTS[name], metavar=metavar, help=help_text)
+            group.add_argument(flag(name), type=value_type, default=default, metavar=metavar, help=help_text)
     return group
 
 
