@@ -1,13 +1,18 @@
-"""EngineConfig: every engine setting, checked once when the LLM is built."""
+"""EngineConfig: every engine setting, checked once when the LLM is built; ResolvedConfig: the same settings with
+every default made concrete for one machine and checkpoint, once, when the engine starts."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm.models.spec import DecoderSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -19,9 +24,11 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 w
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | os.PathLike | None = None  # HF model directory or .gguf file; None: the embedded default model
-    tokenizer: str | os.PathLike | None = None  # a local tokenizer directory; None: the model's own
-    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
+    """What each field means and may hold is its FIELD_RULES entry; resolve() makes its defaults concrete."""
+
+    model: str | os.PathLike | None = None
+    tokenizer: str | os.PathLike | None = None
+    skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "auto"
     seed: int = 0
@@ -35,11 +42,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    async_scheduling: bool | None = None  # overlap host bookkeeping with the device's step; None: on for CUDA
-    trace_file: str | os.PathLike | None = None  # write a Chrome/Perfetto trace of every step and request here
-    trace_kv_every: int | None = None  # with trace_file: snapshot the KV block pool every this many steps
-    kv_cache_dtype: str = "auto"  # "fp8": half the KV bytes per token of a 16-bit cache
+    attention_backend: str | None = None
+    async_scheduling: bool | None = None
+    trace_file: str | os.PathLike | None = None
+    trace_kv_every: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -71,12 +78,42 @@ class EngineConfig:
             raise TypeError(f"unknown LLM argument(s) {unknown}; accepted: {', '.join(sorted(accepted))}")
         return cls(model=model, **kwargs)
 
+    def resolve(self, spec: DecoderSpec, checkpoint_dtype: torch.dtype | str | None) -> ResolvedConfig:
+        """Every default made concrete, once, for this machine and this checkpoint (its DecoderSpec and the dtype its
+        weights are stored in); a ValueError when max_model_len is past the model's limit."""
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
+        max_model_len = resolve_max_model_len(self.max_model_len, spec)
+        async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        attention_backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        # Each choice that follows from the settings and the machine is made here and nowhere downstream; the
+        # kernel choices (rotary, linear, sampler, compilation) belong here too, as a field of ResolvedConfig.
+        config = replace(
+            self, device=device, dtype=dtype, max_model_len=max_model_len, async_scheduling=async_scheduling,
+            attention_backend=attention_backend,
+        )  # fmt: skip
+        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, attention_backend)
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """An EngineConfig with nothing left to decide: what the engine and the executor run with."""
+
+    config: EngineConfig  # the settings, each default replaced by the value below (what the executor's ranks read)
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    async_scheduling: bool  # overlapped steps: on by default for CUDA
+    attention_backend: str  # the one asked for; the worker falls back to torch for a model the kernels cannot run
+
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """What one setting may hold: a TypeError unless its type is one of `types` (a bool never passes as an int),
-    then a ValueError unless `check` accepts it. Both messages name the setting and say what is `allowed`."""
+    """What one setting does (`doc`, also its command-line flag's help) and may hold: a TypeError unless its type is
+    one of `types` (a bool never passes as an int), then a ValueError unless `check` accepts it. Both messages name
+    the setting and say what is `allowed`."""
 
+    doc: str
     types: tuple[type, ...]
     allowed: str | Callable[[], str]  # a callable where the answer depends on the machine
     check: Callable[[object], bool] = lambda value: True
@@ -129,39 +166,104 @@ def is_existing_path_or_none(value: str | os.PathLike | None) -> bool:
 NONE = type(None)
 POSITIVE_INT, POSITIVE_INT_OR_NONE, BOOL = "a positive int", "a positive int or None", "True or False"
 
-# One rule per EngineConfig field (a new field adds one line here).
+# One rule per EngineConfig field (a new field adds one entry here; its flag on every command follows from it).
 FIELD_RULES: dict[str, Rule] = {
-    "model": Rule((str, os.PathLike, NONE), "a model directory or .gguf path (str or os.PathLike), or None"),
+    "model": Rule(
+        "Hugging Face model directory or .gguf file; None: the embedded default model (SmolLM2-135M-Instruct)",
+        (str, os.PathLike, NONE),
+        "a model directory or .gguf path (str or os.PathLike), or None",
+    ),
     "tokenizer": Rule(
+        "a local tokenizer directory; None: the model's own",
         (str, os.PathLike, NONE),
         "None or the path of an existing local tokenizer directory (pagedllm never downloads from a hub)",
         is_existing_path_or_none,
     ),
-    "skip_tokenizer_init": Rule((bool,), BOOL),
-    "dtype": Rule((str, torch.dtype), f"'auto' or one of {', '.join(DTYPES)} (a str or torch.dtype)", is_known_dtype),
-    "device": Rule((str, torch.device), describe_devices, is_usable_device),
-    "seed": Rule(
-        (int,), "an int from 0 to 2**64 - 1 (what torch.Generator takes)", lambda value: 0 <= value <= MAX_SEED
+    "skip_tokenizer_init": Rule("no tokenizer: prompts are token ids, outputs carry no text", (bool,), BOOL),
+    "dtype": Rule(
+        "the weights' and activations' dtype; auto: float32 on CPU, on GPU the checkpoint's 16-bit dtype or bfloat16",
+        (str, torch.dtype),
+        f"'auto' or one of {', '.join(DTYPES)} (a str or torch.dtype)",
+        is_known_dtype,
     ),
-    "max_model_len": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
-    "max_num_seqs": Rule((int,), POSITIVE_INT, is_positive),
-    "max_num_batched_tokens": Rule((int,), POSITIVE_INT, is_positive),
-    "block_size": Rule((int,), "a power of two from 1 to 256", lambda value: value in BLOCK_SIZES),
-    "enable_prefix_caching": Rule((bool,), BOOL),
-    "num_kv_blocks": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
-    "kv_cache_memory_bytes": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
-    "gpu_memory_utilization": Rule((float, int), "a number in (0, 1]", lambda value: 0 < value <= 1),
-    "enforce_eager": Rule((bool,), BOOL),
-    "tensor_parallel_size": Rule((int,), POSITIVE_INT, is_positive),
+    "device": Rule(
+        "where the model runs: cpu, cuda, cuda:1 ...; auto: the first CUDA GPU if torch sees one, else the CPU",
+        (str, torch.device),
+        describe_devices,
+        is_usable_device,
+    ),
+    "seed": Rule(
+        "random seed of sampling, for requests that set none of their own",
+        (int,),
+        "an int from 0 to 2**64 - 1 (what torch.Generator takes)",
+        lambda value: 0 <= value <= MAX_SEED,
+    ),
+    "max_model_len": Rule(
+        "longest prompt + output in tokens; None: the model's limit",
+        (int, NONE),
+        POSITIVE_INT_OR_NONE,
+        is_positive_or_none,
+    ),
+    "max_num_seqs": Rule("most sequences in a batch (and in the scheduler at once)", (int,), POSITIVE_INT, is_positive),
+    "max_num_batched_tokens": Rule("token budget per step", (int,), POSITIVE_INT, is_positive),
+    "block_size": Rule(
+        "tokens per KV cache block", (int,), "a power of two from 1 to 256", lambda value: value in BLOCK_SIZES
+    ),
+    "enable_prefix_caching": Rule("reuse the KV blocks of a prompt prefix computed before", (bool,), BOOL),
+    "num_kv_blocks": Rule(
+        "KV cache blocks; None: sized from kv_cache_memory_bytes, else from the memory left",
+        (int, NONE),
+        POSITIVE_INT_OR_NONE,
+        is_positive_or_none,
+    ),
+    "kv_cache_memory_bytes": Rule(
+        "bytes for the KV cache, unless num_kv_blocks sets it; None: on CUDA what gpu_memory_utilization leaves, "
+        "on CPU a share of free memory",
+        (int, NONE),
+        POSITIVE_INT_OR_NONE,
+        is_positive_or_none,
+    ),
+    "gpu_memory_utilization": Rule(
+        "share of the GPU's memory for weights, activations and KV cache",
+        (float, int),
+        "a number in (0, 1]",
+        lambda value: 0 < value <= 1,
+    ),
+    "enforce_eager": Rule("no CUDA graphs: every step launched op by op", (bool,), BOOL),
+    "tensor_parallel_size": Rule(
+        "split the model over this many processes, one per GPU (or CPU ranks); 1: one process",
+        (int,),
+        POSITIVE_INT,
+        is_positive,
+    ),
     "attention_backend": Rule(
+        "the attention kernels",
         (str, NONE),
         "None (triton on CUDA, torch elsewhere), 'torch' or 'triton'",
         lambda value: value in (None, *ATTENTION_BACKENDS),
     ),
-    "async_scheduling": Rule((bool, NONE), "True, False or None (on for CUDA)"),
-    "trace_file": Rule((str, os.PathLike, NONE), "a file path (str or os.PathLike) or None"),
-    "trace_kv_every": Rule((int, NONE), POSITIVE_INT_OR_NONE, is_positive_or_none),
-    "kv_cache_dtype": Rule((str,), f"one of {KV_CACHE_DTYPES}", lambda value: value in KV_CACHE_DTYPES),
+    "async_scheduling": Rule(
+        "overlap host bookkeeping with the device's step; None: on for CUDA",
+        (bool, NONE),
+        "True, False or None (on for CUDA)",
+    ),
+    "trace_file": Rule(
+        "write a Chrome/Perfetto trace of every step and request here (see `pagedllm trace-summary`)",
+        (str, os.PathLike, NONE),
+        "a file path (str or os.PathLike) or None",
+    ),
+    "trace_kv_every": Rule(
+        "with trace_file: snapshot the KV block pool every this many steps",
+        (int, NONE),
+        POSITIVE_INT_OR_NONE,
+        is_positive_or_none,
+    ),
+    "kv_cache_dtype": Rule(
+        "the KV cache's values: auto, the model's dtype; fp8, float8 e4m3 with scales (twice the tokens of 16 bits)",
+        (str,),
+        f"one of {KV_CACHE_DTYPES}",
+        lambda value: value in KV_CACHE_DTYPES,
+    ),
 }
 
 
@@ -188,3 +290,15 @@ def resolve_dtype(
         return torch.float32
     checkpoint_name = normalize_dtype_name(checkpoint_dtype) if checkpoint_dtype else None
     return DTYPES[checkpoint_name] if checkpoint_name in ("float16", "bfloat16") else torch.bfloat16
+
+
+def resolve_max_model_len(requested: int | None, spec: DecoderSpec) -> int:
+    """None: the model's limit, its positions or its sliding window if smaller (attention is exact only inside it)."""
+    limit = spec.max_position_embeddings
+    if spec.sliding_window:
+        limit = min(limit, spec.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
+    return requested

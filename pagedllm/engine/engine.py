@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedllm.config import EngineConfig, resolve_device, resolve_dtype
+from pagedllm.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
@@ -75,16 +75,15 @@ def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         load_tokenizer = not config.skip_tokenizer_init
         checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero())
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
-        self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, checkpoint.checkpoint_dtype)
+        self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype)
+        self.config = config = resolved.config  # every default made concrete
+        self.max_model_len = resolved.max_model_len
         # Under torchrun, on ranks other than 0 this serves rank 0 and exits the process.
-        self.worker = make_executor(config, self.spec, self.max_model_len, device, dtype, checkpoint)
+        self.worker = make_executor(config, self.spec, self.max_model_len, resolved.device, resolved.dtype, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -92,7 +91,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(checkpoint.hf_config, self.tokenizer, checkpoint.generation_config)
         self.requests: dict[str, Request] = {}
         self.request_counter = itertools.count()
-        self.async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        self.async_scheduling = resolved.async_scheduling
         self.token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
         decode = self.decode_token if self.tokenizer is not None else None
         self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode)
@@ -308,14 +307,3 @@ class LLMEngine:
             num_cached_tokens=max(request.samples[0].seq.num_cached_tokens, 0),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
         )
-
-
-def resolve_max_model_len(requested: int | None, spec: DecoderSpec) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window:  # attention is exact only while the whole context fits in the window
-        limit = min(limit, spec.sliding_window)
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
-    return requested

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.entrypoints.cli import add_trace_flags
+from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs
+from pagedllm.entrypoints.profiling import device_time_per_step
 
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -192,21 +193,6 @@ def timed_run(llm, prompts: list[list[int]], output_lens: list[int]) -> RunResul
     return RunResult(total_s, timer.prefill_s, timer.decode_s, output_tokens)
 
 
-def device_time_per_step(profiler, num_steps: int) -> dict:
-    """Kernel time per step read from a torch.profiler run (kernels inside CUDA graphs included), and the part
-    spent in NCCL collectives: tensor parallelism's all-reduces (which include waiting for the slowest rank)."""
-    from torch.autograd import DeviceType
-
-    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
-    collectives = [event for event in kernels if "nccl" in event.name.lower()]
-    return {
-        "kernels_per_step": len(kernels) / num_steps,
-        "kernel_ms_per_step": sum(event.time_range.elapsed_us() for event in kernels) / num_steps / 1e3,
-        "all_reduce_ms_per_step": sum(event.time_range.elapsed_us() for event in collectives) / num_steps / 1e3,
-        "all_reduces_per_step": len(collectives) / num_steps,
-    }
-
-
 def profile_decode(llm, prompts: list[list[int]], num_steps: int = 20) -> dict:
     """Print where a full-batch decode step spends GPU and host time (torch.profiler), for tuning; return the
     step time and the kernel and all-reduce time per step (rank 0's)."""
@@ -270,12 +256,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         write_random_checkpoint(args.shape, checkpoint, device)
     prompts, output_lens = nano_vllm_workload(args.num_seqs)
     start = time.perf_counter()
-    llm = LLM(
-        str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
-        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
-    )  # fmt: skip
+    llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, **engine_kwargs(args, "bench"))
     load_s = time.perf_counter() - start
     tracer = llm.llm_engine.tracer
     if args.plot and tracer is None:
@@ -379,11 +360,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--repeats", type=positive_int, default=4,
         help="timed runs: the first, and the median of the others, are reported (4)",
     )  # fmt: skip
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (1)")
     parser.add_argument(
         "--profile", action="store_true",
         help="print torch.profiler tables of decode steps, then of the workload's prefill steps, before the timed "
@@ -397,7 +373,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="instead of throughput: one sequence's ms per token (512 tokens in/out, and a 32,000-token context) "
         "and the time to first token of 8 fresh 128-token prompts",
     )  # fmt: skip
-    add_trace_flags(parser)
+    add_engine_flags(parser, "bench")
     return parser
 
 
@@ -414,10 +390,8 @@ def run(args: argparse.Namespace) -> None:
         checkpoint = Path(args.checkpoint_dir) / args.shape
         if not (checkpoint / "model.safetensors").exists():
             write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
-        latency = run_latency(
-            str(checkpoint), SHAPES[args.shape]["max_position_embeddings"], enforce_eager=args.enforce_eager,
-            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype, profile=args.profile,
-        )  # fmt: skip
+        max_positions = SHAPES[args.shape]["max_position_embeddings"]
+        latency = run_latency(str(checkpoint), max_positions, args.profile, **engine_kwargs(args, "bench"))
         result = {"shape": args.shape, "tensor_parallel_size": args.tensor_parallel_size, "latency": latency}
     else:
         result = run_benchmark(args)

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs, flag_named_error
+
 
 def default_threads() -> int:
     """All cores but one: a busy neighbour then slows us down instead of stalling every parallel op (README,
@@ -17,9 +19,8 @@ def default_threads() -> int:
 DEFAULT_THREADS = default_threads()
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model and sampling")
-    group.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M)")
+def add_common_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer (256)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the default; try 0.7")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
@@ -27,23 +28,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's probability")
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
     group.add_argument("--stop", action="append", default=[], help="stop at this text (repeat the flag for several)")
-    group.add_argument("--seed", type=int, default=0, help="random seed for sampling (0)")
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    group.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: float32 on CPU)")
-    group.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8: twice the tokens")
     threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
-    group.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
-    tp_help = "split the model over this many processes, one per GPU (or CPU ranks); 1 = one process (1)"
-    group.add_argument("--tensor-parallel-size", type=int, default=1, help=tp_help)
-    add_trace_flags(parser)
-
-
-def add_trace_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("tracing (see `pagedllm trace-summary`)")
-    group.add_argument("--trace-file", help="write a Chrome/Perfetto trace of every step and request here")
-    group.add_argument(
-        "--trace-kv-every", type=int, metavar="N", help="with --trace-file: snapshot the KV block pool every N steps"
-    )
+    engine = add_engine_flags(parser, command)
+    engine.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,13 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="chat in the terminal, answers streamed as they are generated")
     chat.add_argument("--message", help="answer this one message and exit")
     chat.add_argument("--system", help="system prompt for the conversation")
-    add_common_flags(chat)
+    add_common_flags(chat, "chat")
     generate = commands.add_parser("generate", help="complete prompts given as arguments or in a file")
     generate.add_argument("prompts", nargs="*", help="prompts to complete")
     generate.add_argument("--file", help="a text file with one prompt per line")
     generate.add_argument("--n", type=int, default=1, help="completions per prompt (sample i uses seed + i)")
     generate.add_argument("--logprobs", type=int, help="print each token's logprob and the N most likely tokens")
-    add_common_flags(generate)
+    add_common_flags(generate, "generate")
     from pagedllm.entrypoints.bench import build_parser as build_bench_parser
 
     bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
@@ -94,11 +81,7 @@ def make_llm(args: argparse.Namespace):
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    return LLM(
-        args.model, device=args.device, dtype=args.dtype, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        trace_file=args.trace_file, trace_kv_every=args.trace_kv_every,
-    )  # fmt: skip
+    return LLM(**engine_kwargs(args, args.command))
 
 
 def sampling_params(args: argparse.Namespace):
@@ -201,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         commands[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as error:
-        print(f"pagedllm: error: {error}", file=sys.stderr)
+        print(f"pagedllm: error: {flag_named_error(error, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -50,15 +50,24 @@ def test_chat_message_on_the_default_model():
     assert "Paris" in result.stdout
 
 
+def test_chat_with_max_model_len():
+    """chat takes every engine flag (tests/entrypoints/test_engine_args.py); here one it lacked before, for real."""
+    result = pagedllm(
+        "chat", "--message", "What is the capital of France?", "--max-tokens", "8", "--max-model-len", "2048"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["chat", "--temperature", "hot"], "invalid float value"),
-        (["generate", "x", "--max-tokens", "0"], "max_tokens must be an int >= 1"),
+        (["generate", "x", "--max-tokens", "0"], "--max-tokens must be an int >= 1"),
         (["generate", "x", "--threads", "0"], "--threads must be at least 1"),
         (["generate"], "give at least one prompt"),
         (["generate", "--file", "/nonexistent/prompts.txt"], "cannot read --file"),
-        (["generate", "x", "--kv-cache-dtype", "fp16"], "kv_cache_dtype must be one of ('auto', 'fp8')"),
+        (["generate", "x", "--kv-cache-dtype", "fp16"], "--kv-cache-dtype must be one of ('auto', 'fp8')"),
         (["launch"], "invalid choice"),
     ],
 )

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.engine_args import engine_kwargs
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -206,24 +207,10 @@ class Server(uvicorn.Server):
         self.llm.abort_all()
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-    )
-
-
 def run_server(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    llm = AsyncLLM(
-        args.model, num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine_kwargs(args)
-    )
+    engine = engine_kwargs(args, "serve")
+    llm = AsyncLLM(num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine)
     try:
         if args.model is None:
             from pagedllm.loader.default_model import default_model_path

@@ -1,0 +1,75 @@
+"""EngineConfig.resolve: every default made concrete once, for the machine and the checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import TINY_MODELS, make_config
+
+from pagedllm.config import EngineConfig
+from pagedllm.models.spec import DecoderSpec
+
+
+def tiny_spec(name: str = "llama_gqa_untied", **overrides) -> DecoderSpec:
+    model_type, settings = TINY_MODELS[name]
+    return DecoderSpec.from_hf_config(make_config(model_type, {**settings, **overrides}))
+
+
+def test_cpu_defaults():
+    """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, the torch backend."""
+    resolved = EngineConfig(device="cpu").resolve(tiny_spec(), torch.bfloat16)
+    assert resolved.device == torch.device("cpu")
+    assert resolved.dtype == torch.float32
+    assert resolved.max_model_len == 1024  # the tiny models' max_position_embeddings
+    assert resolved.async_scheduling is False
+    assert resolved.attention_backend == "torch"
+
+
+def test_auto_device_on_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    resolved = EngineConfig().resolve(tiny_spec(), None)
+    assert (resolved.device, resolved.dtype, resolved.async_scheduling) == (torch.device("cpu"), torch.float32, False)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_dtype", "dtype"),
+    [
+        (torch.float16, torch.float16),
+        ("bfloat16", torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
+)
+def test_cuda_defaults(monkeypatch, checkpoint_dtype, dtype):
+    """With a CUDA GPU (torch's answers faked: resolve makes no device call): the checkpoint's 16-bit dtype, else
+    bfloat16; overlapped steps; the Triton backend."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    resolved = EngineConfig().resolve(tiny_spec(), checkpoint_dtype)
+    assert (resolved.device, resolved.dtype) == (torch.device("cuda"), dtype)
+    assert resolved.async_scheduling is True and resolved.attention_backend == "triton"
+
+
+def test_given_values_are_kept():
+    config = EngineConfig(device="cpu", dtype="bf16", max_model_len=100, async_scheduling=True)
+    resolved = config.resolve(tiny_spec(), torch.float16)
+    assert (resolved.dtype, resolved.max_model_len, resolved.async_scheduling) == (torch.bfloat16, 100, True)
+
+
+def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as_given():
+    """What the executor and its ranks read: no default left to derive, every other field unchanged."""
+    config = EngineConfig(device="cpu", block_size=8, kv_cache_dtype="fp8")
+    resolved = config.resolve(tiny_spec(), None)
+    concrete = {"device", "dtype", "max_model_len", "async_scheduling", "attention_backend"}
+    for field in dataclasses.fields(EngineConfig):
+        expected = getattr(resolved, field.name) if field.name in concrete else getattr(config, field.name)
+        assert getattr(resolved.config, field.name) == expected, field.name
+
+
+def test_a_sliding_window_limits_max_model_len():
+    spec = tiny_spec("mistral", sliding_window=256)
+    assert EngineConfig(device="cpu").resolve(spec, None).max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len=300 exceeds the model's limit of 256 positions"):
+        EngineConfig(device="cpu", max_model_len=300).resolve(spec, None)
