@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # Below this temperature a row is sampled greedily, as vLLM does: logits / T would overflow float32 otherwise.
 GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1
@@ -42,6 +44,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # accepted as in vLLM; fast tokenizers decode without such spaces
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, low=1)
@@ -73,6 +76,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, low=0, allow_none=True)
         self.logit_bias = check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a StructuredOutputsParams (from pagedllm import StructuredOutputsParams) "
+                f"or None, got {type(self.structured_outputs).__name__}"
+            )
         if self.temperature < GREEDY_TEMPERATURE:
             # Greedy: truncation cannot change the argmax, so drop it (the sampler then skips it), as vLLM does.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, and their tokenizer.
+"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, and their tokenizer; the
+embedded default model's checkpoint (its tokenizer takes seconds to build, so once per session).
 
 No model hub is reachable, so the tokenizer is a byte-level BPE trained here on a few sentences.
 """
@@ -114,3 +115,11 @@ def capture_logits(llm) -> list[torch.Tensor]:
 
     model.compute_logits = recording
     return captured
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    """The embedded default model's checkpoint and tokenizer, opened as the engine opens them (no weights read)."""
+    from pagedllm.loader.checkpoint import open_checkpoint
+
+    return open_checkpoint(None, convert_gguf=False)

@@ -82,6 +82,8 @@ BAD = [  # (field, value, exception, words the message must hold)
     ("logit_bias", {-1: 1.0}, ValueError, "each logit_bias token id must be an int >= 0"),
     ("logit_bias", {"5": 1.0}, TypeError, "each logit_bias token id must be an int"),
     ("logit_bias", {True: 1.0}, TypeError, "each logit_bias token id must be an int"),
+    ("structured_outputs", {"regex": "a+"}, TypeError, "structured_outputs must be a StructuredOutputsParams"),
+    ("structured_outputs", "a+", TypeError, "structured_outputs must be a StructuredOutputsParams"),
 ]
 
 

@@ -183,6 +183,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported yet: the engine cannot constrain its output")
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return process_prompt(prompt, self.tokenizer, self.spec.vocab_size)

@@ -19,7 +19,7 @@ from conftest import VOCAB_SIZE, train_tokenizer
 from safetensors import torch as safetensors_torch
 from tokenizers import normalizers
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.layers.linear import ColumnParallelLinear
 
 GOOD = {"prompt_token_ids": [5, 6, 7]}
@@ -246,6 +246,8 @@ CASES = [
     case(generate_with_params, SamplingParams(prompt_logprobs=VOCAB_SIZE + 1), ValueError, "prompt_logprobs",
          id="sp-prompt-logprobs-past-vocab"),
     case(generate_with_params, SamplingParams(n=300), ValueError, "n=300", "max_num_seqs=256", id="sp-n-past-max-seqs"),
+    case(generate_with_params, SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")), ValueError,
+         "structured_outputs is not supported yet", id="sp-structured-outputs-not-yet"),
     # --- LLM() settings (point 4, and point 7's dtype=[]): EngineConfig refuses them before any file is read ---
     case(build_llm, dict(gpu_memory_utilisation=0.5), TypeError, "unknown LLM argument", "gpu_memory_utilization",
          raised_in=CONFIG, id="llm-unknown-keyword"),

@@ -20,8 +20,8 @@ from server_process import API_KEY, start_server, stop_server  # noqa: E402
 
 # A minimal chat template, so the tiny model can serve /v1/chat/completions.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}{% if message['name'] %} {{ message['name'] }}{% endif %}: "
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
 
 
@@ -250,6 +250,107 @@ def test_malformed_json_and_unknown_fields(server, client):
     )
     assert response.status_code == 200, response.text
     assert client.completions.create(model=server.model, prompt="Paris", max_tokens=2).choices
+
+
+USER = [{"role": "user", "content": "The quick brown"}]
+ONE_OF = {"choice": ["yes", "no"]}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True}}
+NOT_YET = "structured_outputs is not supported yet"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param", "fragment"),
+    [
+        # structured outputs: parsed and checked here, then refused by the engine until it applies them
+        ("chat", dict(response_format={"type": "json_object"}), None, NOT_YET),
+        ("chat", dict(response_format=SCHEMA_FORMAT), None, NOT_YET),
+        ("chat", dict(structured_outputs={"regex": "[a-z]+", "disable_fallback": False}), None, NOT_YET),
+        ("completions", dict(structured_outputs=ONE_OF), None, NOT_YET),
+        ("completions", dict(response_format={"type": "json_object"}), None, NOT_YET),
+        ("chat", dict(response_format={"type": "json_schema"}), "response_format", "needs json_schema"),
+        ("chat", dict(response_format={"type": "xml"}), "response_format", "response_format.type"),
+        (
+            "chat",
+            dict(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+            "response_format",
+            "name",
+        ),
+        ("chat", dict(structured_outputs={"choice": []}), "structured_outputs", "at least one string"),
+        ("chat", dict(structured_outputs={"regex": "a", "json_object": True}), "structured_outputs", "exactly one"),
+        ("chat", dict(structured_outputs={"structural_tag": "{}"}), "structured_outputs", "structural_tag"),
+        (
+            "chat",
+            dict(structured_outputs=ONE_OF, response_format={"type": "json_object"}),
+            "structured_outputs",
+            "not both",
+        ),
+        # tools and function calling
+        ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tools are not supported"),
+        ("chat", dict(tool_choice="required"), "tool_choice", "tool_choice needs tools"),
+        ("chat", dict(functions=[{"name": "f"}]), "functions", "functions is not supported"),
+        ("chat", dict(function_call={"name": "f"}), "function_call", "function_call is not supported"),
+        (
+            "chat",
+            dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
+            "messages",
+            "messages[0].tool_calls",
+        ),
+        # fields that would change the output if they were honoured
+        ("chat", dict(modalities=["text", "audio"]), "modalities", "text only"),
+        ("chat", dict(reasoning_effort="high"), "reasoning_effort", "reasoning_effort is not supported"),
+        ("chat", dict(echo=True), "echo", "/v1/completions"),
+        ("chat", dict(prompt_logprobs=2), "prompt_logprobs", "/v1/completions"),
+        ("chat", dict(chat_template="{{ 1 }}"), "chat_template", "chat_template is not supported"),
+        ("chat", dict(add_special_tokens=True), "add_special_tokens", "add_special_tokens is not supported"),
+        ("chat", dict(guided_json={"type": "object"}), "guided_json", "use structured_outputs"),
+        ("completions", dict(guided_choice=["a"]), "guided_choice", "use structured_outputs"),
+        ("completions", dict(use_beam_search=True), "use_beam_search", "beam search"),
+        ("completions", dict(best_of=2), "best_of", "best_of is not supported"),
+        ("completions", dict(add_special_tokens=False), "add_special_tokens", "always added"),
+        ("completions", dict(allowed_token_ids=[5]), "allowed_token_ids", "allowed_token_ids is not supported"),
+        ("completions", dict(bad_words=["fox"]), "bad_words", "bad_words is not supported"),
+        ("completions", dict(truncate_prompt_tokens=4), "truncate_prompt_tokens", "never truncated"),
+        ("completions", dict(priority=1), "priority", "first come, first served"),
+        ("completions", dict(cache_salt="tenant-1"), "cache_salt", "cache_salt is not supported"),
+        ("completions", dict(return_tokens_as_token_ids=True), "return_tokens_as_token_ids", "returned as text"),
+    ],
+)
+def test_fields_that_would_be_ignored_are_400_naming_them(server, client, endpoint, fields, param, fragment):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    base = dict(messages=USER) if endpoint == "chat" else dict(prompt="The quick brown")
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    body = {"model": server.model, "max_tokens": 3, **base, **fields}
+    response = httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert fragment in error["message"], error
+    assert error["param"] == param, error
+    assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client, server):
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=USER,
+        response_format={"type": "text"},
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        tool_choice="none",
+        extra_body=dict(use_beam_search=False, priority=0, modalities=["text"], structured_outputs=None, echo=False),
+        **greedy(3),
+    )
+    assert chat.usage.completion_tokens == 3
+    completion = client.completions.create(
+        model=server.model, prompt="Paris is", extra_body=dict(best_of=1, add_special_tokens=True), **greedy(3)
+    )
+    assert completion.usage.completion_tokens == 3
+
+
+def test_message_names_reach_the_chat_template(server, tokenizer):
+    for message, rendered in (({"name": "alice"}, "user alice: Hi"), ({}, "user: Hi")):
+        messages = [{"role": "user", "content": "Hi", **message}]
+        tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+        assert rendered in tokenizer.decode(tokens)
 
 
 def wait_for(condition, timeout: float = 10.0) -> bool:

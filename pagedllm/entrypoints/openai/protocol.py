@@ -4,11 +4,12 @@ place where a request becomes SamplingParams."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -27,8 +28,106 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always followed exactly
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's structured_outputs keys that StructuredOutputsParams lacks, with the values that ask for nothing different
+# (one backend, so there is never a fallback to disable).
+NEUTRAL_STRUCTURED_OUTPUTS_OPTIONS = {
+    "disable_fallback": (True, False),
+    "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,),
+}
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "whitespace_pattern")
+
+
+def structured_outputs_params(
+    response_format: ResponseFormat | None, structured_outputs: dict[str, Any] | None
+) -> StructuredOutputsParams | None:
+    """The constraint of OpenAI's response_format or of vLLM's structured_outputs (at most one of them); None for
+    plain text. A bad value is a 400 naming the field."""
+    wants_format = response_format is not None and response_format.type != "text"
+    if wants_format and structured_outputs is not None:
+        raise InvalidRequestError("give response_format or structured_outputs, not both", "structured_outputs")
+    if wants_format:
+        return response_format_params(response_format)
+    if structured_outputs is None:
+        return None
+    fields = {}
+    for key, value in structured_outputs.items():
+        if value is None or value in NEUTRAL_STRUCTURED_OUTPUTS_OPTIONS.get(key, ()):
+            continue
+        if key not in STRUCTURED_OUTPUTS_KEYS:
+            allowed = ", ".join(STRUCTURED_OUTPUTS_KEYS)
+            raise InvalidRequestError(
+                f"structured_outputs.{key} is not supported; structured_outputs takes {allowed}", "structured_outputs"
+            )
+        fields[key] = value
+    try:
+        return StructuredOutputsParams(**fields)
+    except (ValueError, TypeError) as error:
+        raise InvalidRequestError(str(error), "structured_outputs") from None
+
+
+def response_format_params(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.json_schema is None:
+        raise InvalidRequestError(
+            "response_format of type json_schema needs json_schema: {name, schema}", "response_format"
+        )
+    try:
+        return StructuredOutputsParams(json=json_schema.json_schema)
+    except (ValueError, TypeError) as error:
+        raise InvalidRequestError(f"response_format.json_schema.schema: {error}", "response_format") from None
+
+
+# Fields of OpenAI's or vLLM's API that this server does not honour. They are not declared, so they land in
+# model_extra; any value but a neutral one (by default null, false, 0 or empty) is a 400 naming the field.
+NEUTRAL_VALUES = (None, False, "", [], {})
+
+
+def unsupported(why: str, neutral: tuple = NEUTRAL_VALUES) -> tuple[str, tuple]:
+    return why, neutral
+
+
+COMMON_UNSUPPORTED: dict[str, tuple[str, tuple]] = {  # name -> (why, the values that ask for nothing)
+    "use_beam_search": unsupported("beam search is not implemented"),
+    "allowed_token_ids": unsupported("restricting the vocabulary is not implemented"),
+    "bad_words": unsupported("bad words are not implemented"),
+    "truncate_prompt_tokens": unsupported("prompts are never truncated; shorten the prompt"),
+    "logits_processors": unsupported("custom logits processors are not implemented"),
+    "priority": unsupported("requests are scheduled first come, first served"),
+    "return_tokens_as_token_ids": unsupported("tokens are returned as text"),
+    "return_token_ids": unsupported("token ids are not returned"),
+    "cache_salt": unsupported("the prefix cache is shared by every request"),
+    "kv_transfer_params": unsupported("disaggregated prefill is not implemented"),
+    "vllm_xargs": unsupported("there are no extra arguments to pass"),
+    "guided_json": unsupported("use structured_outputs (vLLM 0.12's name) or response_format"),
+    "guided_regex": unsupported("use structured_outputs (vLLM 0.12's name)"),
+    "guided_choice": unsupported("use structured_outputs (vLLM 0.12's name)"),
+    "guided_grammar": unsupported("use structured_outputs (vLLM 0.12's name)"),
+    "guided_decoding_backend": unsupported("use structured_outputs (vLLM 0.12's name)"),
+    "guided_whitespace_pattern": unsupported("use structured_outputs (vLLM 0.12's name)"),
+    "structural_tag": unsupported("structural tags are not implemented"),
+}
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are still ignored, but check_supported sees them
+    unsupported_fields: ClassVar[dict[str, tuple[str, tuple]]] = COMMON_UNSUPPORTED
 
     model: str | None = None
     frequency_penalty: float = 0.0
@@ -51,6 +150,15 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field sent that this server would otherwise ignore."""
+        for name, (why, neutral) in self.unsupported_fields.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in neutral:
+                raise InvalidRequestError(f"{name} is not supported: {why}", name)
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Every request field -> its SamplingParams field (None: SamplingParams' default); a value SamplingParams
@@ -80,6 +188,7 @@ class SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
+            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs),
         )
         try:
             return SamplingParams(**{name: value for name, value in requested.items() if value is not None})
@@ -88,6 +197,14 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[dict[str, tuple[str, tuple]]] = COMMON_UNSUPPORTED | {
+        "best_of": unsupported("each choice is sampled on its own; use n", (None, 1)),
+        "add_special_tokens": unsupported(
+            "the tokenizer's special tokens are always added to a text prompt", (None, True)
+        ),
+        "prompt_embeds": unsupported("prompts are text or token ids"),
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -104,7 +221,8 @@ class ContentPart(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # handed to the chat template, as vLLM does
+    tool_calls: list[Any] | None = None  # refused until tools are supported
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -116,6 +234,22 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[dict[str, tuple[str, tuple]]] = COMMON_UNSUPPORTED | {
+        "functions": unsupported("function calling is not implemented yet"),
+        "function_call": unsupported("function calling is not implemented yet", (None, "none", "auto")),
+        "audio": unsupported("the output is text only"),
+        "modalities": unsupported("the output is text only", (None, ["text"])),
+        "web_search_options": unsupported("there is no web search"),
+        "reasoning_effort": unsupported("this server's models take no reasoning effort"),
+        "verbosity": unsupported("this server's models take no verbosity"),
+        "prompt_logprobs": unsupported("use /v1/completions for prompt logprobs"),
+        "echo": unsupported("use /v1/completions to echo the prompt"),
+        "documents": unsupported("documents are not passed to the chat template"),
+        "chat_template": unsupported("the model's own chat template is used"),
+        "mm_processor_kwargs": unsupported("the input is text only"),
+        "add_special_tokens": unsupported("the chat template alone places special tokens"),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -124,6 +258,19 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice != "none":  # with "none" the model answers in text, which is all this server does
+            if self.tools:
+                raise InvalidRequestError("tools are not supported yet; send no tools, or tool_choice='none'", "tools")
+            if self.tool_choice not in (None, "auto"):
+                raise InvalidRequestError("tool_choice needs tools, which are not supported yet", "tool_choice")
+        for index, message in enumerate(self.messages):
+            if message.tool_calls:
+                raise InvalidRequestError(f"messages[{index}].tool_calls: tool calls are not supported yet", "messages")
 
 
 class TokenizeRequest(OpenAIBaseModel):

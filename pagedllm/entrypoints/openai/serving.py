@@ -200,6 +200,7 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
+        request.check_supported()
         if request.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
         prompts = self.completion_prompts(request.prompt)
@@ -347,7 +348,10 @@ class OpenAIServing:
     ) -> PromptInput:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-        conversation = [{"role": message.role, "content": message.text()} for message in messages]
+        conversation = [
+            {"role": message.role, "content": message.text(), **({"name": message.name} if message.name else {})}
+            for message in messages
+        ]
         try:
             token_ids = self.tokenizer.apply_chat_template(
                 conversation,
@@ -366,6 +370,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
+        request.check_supported()
         prompt = self.chat_prompt(
             request.messages,
             request.add_generation_prompt,
