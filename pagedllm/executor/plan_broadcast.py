@@ -24,8 +24,16 @@ from pagedllm.executor.step_plan import StepPlan
 RUN_STEP, SHUT_DOWN = 1, 2
 
 
-def broadcast_arrays(plan_type: type[StepPlan]) -> list[tuple[str, PlanArray]]:
-    return [(name, spec) for name, spec in plan_arrays(plan_type) if spec.broadcast]
+@cache
+def broadcast_arrays(plan_type: type[StepPlan]) -> tuple[tuple[str, PlanArray], ...]:
+    return tuple((name, spec) for name, spec in plan_arrays(plan_type) if spec.broadcast)
+
+
+@cache
+def shape_entries(plan_type: type[StepPlan]) -> tuple[tuple[str, int], ...]:
+    """Each broadcast array and how many of its dimensions the header carries: its rows, and its columns where its
+    width has a name."""
+    return tuple((name, 1 + isinstance(spec.columns, str)) for name, spec in broadcast_arrays(plan_type))
 
 
 @cache
@@ -33,8 +41,8 @@ def header_names(plan_type: type[StepPlan] = StepPlan) -> tuple[str, ...]:
     """The header's entries: the command, each scalar, then each broadcast array's rows (and its columns where its
     width has a name), in declaration order; the payload holds those arrays in the same order."""
     names = ["command", *(name for name, _ in plan_scalars(plan_type))]
-    for name, spec in broadcast_arrays(plan_type):
-        names += [f"{name}.rows", f"{name}.columns"] if isinstance(spec.columns, str) else [f"{name}.rows"]
+    for name, dims in shape_entries(plan_type):
+        names += [f"{name}.rows", f"{name}.columns"][:dims]
     return tuple(names)
 
 
@@ -46,9 +54,9 @@ def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a plan: an int64 header header_size(type(plan)) long and an int32 payload."""
     header = [RUN_STEP, *(int(getattr(plan, name)) for name, _ in plan_scalars(type(plan)))]
     arrays = []
-    for name, spec in broadcast_arrays(type(plan)):
+    for name, dims in shape_entries(type(plan)):
         array = getattr(plan, name)
-        header += array.shape if isinstance(spec.columns, str) else array.shape[:1]
+        header += array.shape[:dims]
         arrays.append(array.ravel())
     return torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays, dtype=np.int32))
 

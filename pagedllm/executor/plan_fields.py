@@ -13,9 +13,9 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class RowKind:
-    """What an array has one row of. Arrays of one kind have the same number of rows in a plan."""
+    """What an array has one row of. The arrays of one kind that a plan sets have the same number of rows."""
 
-    count: str  # the plan's number of such rows, by the name the broadcast header gives it
+    count: str  # the name of the plan's number of such rows (padding names the counts it extends)
     bound: str | None  # what step buffers hold at most of them: "tokens" or "seqs"; None: never uploaded
     extra: int = 0  # rows past the count
     # Each row is where a sequence's tokens start among the packed rows, the last where they end: padding
@@ -38,8 +38,8 @@ BLOCK_COPIES = RowKind("num_block_copies", None)
 class PlanArray:
     dtype: type
     rows: RowKind
-    # None: one value a row. An int: that many columns. A name: as many columns as the plan's array has, up to the
-    # width of that name the step buffers are built with (the broadcast header carries it by that name).
+    # None: one value a row. An int: that many columns. A name: as many columns as the plan's array has (the
+    # broadcast header carries them), up to the width of that name the step buffers are built with.
     columns: int | str | None
     pad: int  # what padding rows hold, and every row of the graphs' buffers while they are captured
     upload: bool  # in the packed buffers that go to the device each step

@@ -31,12 +31,13 @@ class StepInputs:
             raise AttributeError(f"{type(self).__name__} has no array {name!r}") from None
 
 
-def attention_metadata(arrays: dict[str, torch.Tensor], plan: StepPlan) -> AttentionMetadata:
+def attention_metadata(arrays: dict[str, torch.Tensor], tables: torch.Tensor, plan: StepPlan) -> AttentionMetadata:
+    """From the plan's arrays as tensors (cut to its rows) and its block tables, a row for each sequence."""
     return AttentionMetadata(
-        slot_mapping=arrays["slot_mapping"][: plan.num_tokens],
-        query_start_loc=arrays["query_start_loc"][: plan.num_seqs + 1],
-        seq_lens=arrays["seq_lens"][: plan.num_seqs],
-        block_tables=arrays["block_tables"][: plan.num_seqs],
+        slot_mapping=arrays["slot_mapping"],
+        query_start_loc=arrays["query_start_loc"],
+        seq_lens=arrays["seq_lens"],
+        block_tables=tables,
         max_query_len=plan.max_query_len,
         max_seq_len=plan.max_seq_len,
         decode_only=plan.decode_only,
@@ -56,11 +57,13 @@ def padded_plan(plan: StepPlan, counts: dict[str, int], tokens_per_padding_seq: 
         extra = counts[spec.rows.count] + spec.rows.extra - len(array)
         if extra <= 0:
             continue
+        padded = np.empty((len(array) + extra, *array.shape[1:]), dtype=array.dtype)
+        padded[: len(array)] = array
         if spec.rows.token_offsets:
-            padding = array[-1] + tokens_per_padding_seq * np.arange(1, extra + 1)
+            padded[len(array) :] = array[-1] + tokens_per_padding_seq * np.arange(1, extra + 1)
         else:
-            padding = np.full((extra, *array.shape[1:]), spec.pad)
-        changes[name] = np.concatenate([array, padding], dtype=array.dtype)
+            padded[len(array) :] = spec.pad
+        changes[name] = padded
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
@@ -156,7 +159,8 @@ class PackedInputs:
             arrays[name] = self.device[name][: len(array)]
         for start, stop in [(0, end), *copies]:
             self.device_bytes[start:stop].copy_(self.host_bytes[start:stop], non_blocking=True)
-        return StepInputs(arrays, attention_metadata(self.device, plan))
+        # A padded prompt step has more sequences than block-table rows: its empty sequences' rows are never read.
+        return StepInputs(arrays, attention_metadata(arrays, self.device["block_tables"][: plan.num_seqs], plan))
 
     def fill_padding(self, tokens_per_padding_seq: int) -> None:
         """Every row of the device buffers a padding row (graphs are captured on these): each field holds its pad
@@ -202,4 +206,4 @@ class StepBuffers:
 def wrap_plan(plan: StepPlan) -> StepInputs:
     """CPU: the tensors share memory with the plan's numpy arrays."""
     arrays = {name: torch.from_numpy(getattr(plan, name)) for name, spec in plan_arrays(type(plan)) if spec.upload}
-    return StepInputs(arrays, attention_metadata(arrays, plan))
+    return StepInputs(arrays, attention_metadata(arrays, arrays["block_tables"], plan))
