@@ -54,6 +54,8 @@ def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int:
 class StepGraphs:
     """One graph per size, each writing its rows of `hidden`. Subclasses say which pack a size reads and how."""
 
+    tokens_per_padding_seq: int  # in the padding rows the graphs are captured on
+
     def __init__(self, model: nn.Module, pack: PackedInputs, sizes: list[int], max_rows: int):
         self.model, self.pack, self.sizes = model, pack, sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -69,10 +71,9 @@ class StepGraphs:
         return self.model(device["input_ids"][:size], device["positions"][:size], self.metadata(size))
 
     def empty_inputs(self) -> None:
-        """Every row padding while capturing: nothing is read or stored."""
-        device = self.pack.device
-        device["seq_lens"].zero_()
-        device["slot_mapping"].fill_(-1)
+        """Every row padding while capturing (each array's pad value: seq_len 0, slot -1): nothing is read or
+        stored."""
+        self.pack.fill_padding(self.tokens_per_padding_seq)
 
     def capture(self, pool=None):
         """Capture every size, largest first so that smaller graphs reuse its memory; returns the memory pool, which
@@ -98,14 +99,11 @@ class StepGraphs:
 class DecodeGraphs(StepGraphs):
     """Decode steps, by padded batch size (one token per sequence)."""
 
+    tokens_per_padding_seq = 1
+
     def __init__(self, model: nn.Module, buffers: StepBuffers, max_num_seqs: int, max_model_len: int):
         super().__init__(model, buffers.decode, graph_batch_sizes(max_num_seqs), max_num_seqs)
         self.max_model_len = max_model_len
-
-    def empty_inputs(self) -> None:
-        super().empty_inputs()
-        query_start_loc = self.pack.device["query_start_loc"]
-        query_start_loc.copy_(torch.arange(len(query_start_loc), dtype=torch.int32))
 
     def metadata(self, batch_size: int) -> AttentionMetadata:
         device = self.pack.device
@@ -123,15 +121,13 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     """Every other step, by padded token count, always with max_num_seqs sequence rows (pad_prefill_plan)."""
 
+    tokens_per_padding_seq = 0  # every sequence empty
+
     def __init__(
         self, model: nn.Module, buffers: StepBuffers, token_counts: list[int], max_num_seqs: int, max_model_len: int
     ):
         super().__init__(model, buffers.any_step, token_counts, token_counts[-1])
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-
-    def empty_inputs(self) -> None:
-        super().empty_inputs()
-        self.pack.device["query_start_loc"].zero_()  # every sequence empty
 
     def metadata(self, num_tokens: int) -> AttentionMetadata:
         device = self.pack.device

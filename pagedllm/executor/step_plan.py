@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.executor.plan_fields import (
+    BLOCK_COPIES,
+    PLACEHOLDERS,
+    PROMPT_LOGPROB_ROWS,
+    QUERY_STARTS,
+    SAMPLED,
+    SEQS,
+    TABLE_ROWS,
+    TOKENS,
+    plan_array,
+    plan_scalar,
+)
 from pagedllm.layers.sampling_batch import SamplingBatch
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,29 +51,37 @@ class StepSampling:
     num_prompt_logprobs: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepPlan:
-    step_id: int
-    input_ids: np.ndarray  # [num_tokens] int64; PLACEHOLDER (-1) where the token is still on the device
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64: block_id * block_size + offset, -1 = store nothing
-    query_start_loc: np.ndarray  # [num_seqs + 1] int32
-    seq_lens: np.ndarray  # [num_seqs] int32: context length after this step
-    block_tables: np.ndarray  # [num_seqs, width] int32
-    # [num_sampled] int64: packed row of each sampling sequence's last new token. A request's first sample row
-    # may repeat for its other samples (n > 1), which take their first tokens from the same logits.
-    sample_rows: np.ndarray
-    max_query_len: int
-    max_seq_len: int
-    decode_only: bool  # every sequence has exactly one new token
+    """Each field declared once (plan_fields.py): a new capability adds its arrays here, or in a subclass, and
+    everything between its producer and its consumer follows. Padding returns a new plan (step_inputs.py)."""
+
+    step_id: int = plan_scalar(int)
+    max_query_len: int = plan_scalar(int)
+    max_seq_len: int = plan_scalar(int)
+    decode_only: bool = plan_scalar(bool)  # every sequence has exactly one new token
+    # PLACEHOLDER (-1) where the token is still on the device
+    input_ids: np.ndarray = plan_array(np.int64, TOKENS)
+    positions: np.ndarray = plan_array(np.int64, TOKENS)
+    # block_id * block_size + offset, -1 = store nothing
+    slot_mapping: np.ndarray = plan_array(np.int64, TOKENS, pad=-1)
+    query_start_loc: np.ndarray = plan_array(np.int32, QUERY_STARTS)
+    seq_lens: np.ndarray = plan_array(np.int32, SEQS)  # context length after this step; 0 for padding sequences
+    # As wide as the plan's longest, which may be narrower than the buffers' rows: the columns past it keep earlier
+    # steps' block ids. Kernels read a row only up to its seq_len, and the torch backend masks what it gathers past
+    # it; every value ever written is a valid block id.
+    block_tables: np.ndarray = plan_array(np.int32, TABLE_ROWS, columns="table_width")
+    # Packed row of each sampling sequence's last new token. A request's first sample row may repeat for its other
+    # samples (n > 1), which take their first tokens from the same logits.
+    sample_rows: np.ndarray = plan_array(np.int64, SAMPLED)
     # Rows whose input token was sampled by the step still in flight, and that token's row among its samples.
-    placeholder_rows: np.ndarray  # [num_placeholders] int64
-    placeholder_sources: np.ndarray  # [num_placeholders] int64
-    sampling: StepSampling | None  # None on tensor-parallel ranks other than 0, which do not sample
+    placeholder_rows: np.ndarray = plan_array(np.int64, PLACEHOLDERS)
+    placeholder_sources: np.ndarray = plan_array(np.int64, PLACEHOLDERS)
     # Packed rows whose logits give prompt logprobs (the position predicting the next prompt token).
-    prompt_logprob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # [num_copies, 2] int64 (source, destination) KV blocks to copy before the step: copy-on-write of shared blocks.
-    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    prompt_logprob_rows: np.ndarray = plan_array(np.int64, PROMPT_LOGPROB_ROWS, upload=False)
+    # (source, destination) KV blocks to copy before the step: copy-on-write of shared blocks.
+    block_copies: np.ndarray = plan_array(np.int64, BLOCK_COPIES, columns=2, upload=False)
+    sampling: StepSampling | None = None  # rank 0's alone: None on the other tensor-parallel ranks, which do not sample
 
     @property
     def num_seqs(self) -> int:

@@ -220,8 +220,6 @@ class Worker:
             max_query_len=seq_len,
             max_seq_len=seq_len,
             decode_only=seq_len == 1,
-            placeholder_rows=np.zeros(0, dtype=np.int64),
-            placeholder_sources=np.zeros(0, dtype=np.int64),
             sampling=StepSampling(
                 batch=build_sampling_batch([WARMUP_SAMPLING] * num_seqs),
                 row_slots=np.zeros(num_seqs, dtype=np.int64),  # no state: these settings need none
@@ -243,7 +241,7 @@ class Worker:
             self.update_sampler(plan.sampling)
         if len(plan.block_copies):
             self.kv_cache.copy_blocks(upload_array(plan.block_copies, self.device))
-        graphs, padded_size = self.pad_to_graph(plan)
+        plan, graphs, padded_size = self.pad_to_graph(plan)
         events = StepEvents.create(self.device) if self.record_events else None
         if events is not None:
             events.start.record()
@@ -270,18 +268,16 @@ class Worker:
             events.end.record()
         return StepOutput(plan.step_id, sampled, prompt_logprobs, events)
 
-    def pad_to_graph(self, plan: StepPlan) -> tuple[DecodeGraphs | PrefillGraphs | None, int | None]:
-        """Pad the plan to the shapes of the graph that runs it (when steps are padded) and return that graph
-        (None when graphs are off) and its size."""
+    def pad_to_graph(self, plan: StepPlan) -> tuple[StepPlan, DecodeGraphs | PrefillGraphs | None, int | None]:
+        """The plan padded to the shapes of the graph that runs it (when steps are padded; else the plan itself), that
+        graph (None when graphs are off) and its size."""
         if plan.decode_only and self.buffers is not None:  # decode steps are padded whatever the backend
             padded_size = padded_batch_size(self.decode_batch_sizes, plan.num_seqs)
-            pad_decode_plan(plan, padded_size)
-            return self.graphs, padded_size
+            return pad_decode_plan(plan, padded_size), self.graphs, padded_size
         if plan.decode_only or not self.pads_steps or plan.num_tokens > self.prefill_token_counts[-1]:
-            return None, None
+            return plan, None, None
         padded_size = padded_batch_size(self.prefill_token_counts, plan.num_tokens)
-        pad_prefill_plan(plan, padded_size, self.config.max_num_seqs)
-        return self.prefill_graphs, padded_size
+        return pad_prefill_plan(plan, padded_size, self.config.max_num_seqs), self.prefill_graphs, padded_size
 
     def fill_placeholders(self, inputs: StepInputs, previous: StepOutput | None) -> None:
         """Input tokens sampled by the step still in flight are taken from its samples, on the device. Only rank 0

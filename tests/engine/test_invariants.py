@@ -12,6 +12,7 @@ import torch
 from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor.plan_fields import check_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -81,7 +82,9 @@ def test_start_up_steps_on_the_real_cache_change_nothing(llama_dir, prompts, bas
         tensor.normal_(std=100.0)
     garbage = worker.kv_cache.keys.clone()
     worker.refill_allocator()
-    _, num_written = worker.start_up_steps()
+    plans, num_written = worker.start_up_steps()
+    for plan in plans:
+        check_plan(plan)
     assert not torch.equal(worker.kv_cache.keys[:, :num_written], garbage[:, :num_written])  # the steps ran there
     assert greedy_tokens(llm, prompts) == baseline
     assert_no_block_held(llm)

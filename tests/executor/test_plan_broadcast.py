@@ -6,13 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedllm.executor.plan_broadcast import HEADER_SIZE, pack_plan, unpack_plan
+from pagedllm.executor.plan_broadcast import header_size, pack_plan, unpack_plan
+from pagedllm.executor.plan_fields import plan_arrays, plan_scalars
 from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.sampling_params import SamplingParams
 
-ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "sample_rows",
-          "placeholder_rows", "placeholder_sources", "prompt_logprob_rows", "block_copies")  # fmt: skip
+ARRAYS = tuple(name for name, spec in plan_arrays(StepPlan) if spec.broadcast)
+# What every rank reads today; whatever a later field declares comes on top.
+RANKS_READ = {"input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "sample_rows",
+              "placeholder_rows", "placeholder_sources", "prompt_logprob_rows", "block_copies"}  # fmt: skip
 
 
 def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int], num_copies: int) -> StepPlan:
@@ -46,12 +49,13 @@ def make_plan(num_new_tokens: list[int], width: int, placeholders: list[int], nu
 def test_unpacked_plan_equals_the_packed_one(num_new_tokens, width, placeholders, num_copies):
     plan = make_plan(num_new_tokens, width, placeholders, num_copies)
     header, payload = pack_plan(plan)
-    assert header.shape == (HEADER_SIZE,)
+    assert header.shape == (header_size(StepPlan),)
     received = unpack_plan(header.tolist(), payload.numpy())
-    for name in ARRAYS:
+    assert RANKS_READ.issubset(ARRAYS)
+    for name, spec in plan_arrays(StepPlan):
         sent, got = getattr(plan, name), getattr(received, name)
-        assert got.dtype == sent.dtype and np.array_equal(got, sent), name
-    for name in ("step_id", "max_query_len", "max_seq_len", "decode_only"):
+        assert got.dtype == sent.dtype and np.array_equal(got, sent if spec.broadcast else spec.empty()), name
+    for name, _ in plan_scalars(StepPlan):
         assert getattr(received, name) == getattr(plan, name), name
     assert received.sampling is None  # only rank 0 samples
 

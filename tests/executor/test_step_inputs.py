@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedllm.executor.cuda_graphs import graph_token_counts, padded_batch_size
+from pagedllm.executor.plan_fields import plan_arrays
 from pagedllm.executor.step_inputs import PackedInputs, StepBuffers, pad_decode_plan, pad_prefill_plan
 from pagedllm.executor.step_plan import StepPlan
 
@@ -39,17 +40,17 @@ def make_plan(query_lens: list[int], seed: int, width: int = WIDTH) -> StepPlan:
 
 
 def assert_inputs_match(inputs, plan: StepPlan) -> None:
+    """Every uploaded array (by its name on the inputs) and what attention reads equal the plan's arrays."""
     metadata = inputs.metadata
+    uploaded = [name for name, spec in plan_arrays(type(plan)) if spec.upload]
+    assert set(uploaded) == set(inputs.arrays)
+    assert {"input_ids", "positions", "sample_rows", "placeholder_rows", "placeholder_sources"}.issubset(uploaded)
     for tensor, array in [
-        (inputs.input_ids, plan.input_ids),
-        (inputs.positions, plan.positions),
+        *((getattr(inputs, name), getattr(plan, name)) for name in uploaded),
         (metadata.slot_mapping, plan.slot_mapping),
         (metadata.query_start_loc, plan.query_start_loc),
         (metadata.seq_lens, plan.seq_lens),
         (metadata.block_tables, plan.block_tables),
-        (inputs.sample_rows, plan.sample_rows),
-        (inputs.placeholder_rows, plan.placeholder_rows),
-        (inputs.placeholder_sources, plan.placeholder_sources),
     ]:
         if array.ndim == 2:  # block tables: the buffer's rows may be wider than the plan's
             assert tensor.shape[1] >= array.shape[1]
@@ -77,7 +78,7 @@ def test_decode_steps_use_the_decode_pack_at_fixed_addresses():
     buffers = StepBuffers(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
     addresses = {name: view.data_ptr() for name, view in buffers.decode.device.items()}
     decode, prefill = make_plan([1] * 5, 4), make_plan([20, 3], 5)
-    pad_decode_plan(decode, 8)  # as the worker pads a decode step to a graph's batch size
+    decode = pad_decode_plan(decode, 8)  # as the worker pads a decode step to a graph's batch size
     inputs = buffers.upload(decode)
     assert_inputs_match(inputs, decode)
     assert inputs.input_ids.data_ptr() == addresses["input_ids"]
@@ -112,9 +113,11 @@ def test_an_engine_on_packed_inputs_generates_what_it_does_without_them(llama_di
 
 
 def test_prefill_padding_adds_empty_sequences_and_tokens_that_store_nothing():
-    plan = make_plan([5, 1, 30], 6)
-    before = {name: getattr(plan, name).copy() for name in ("input_ids", "slot_mapping", "query_start_loc")}
-    pad_prefill_plan(plan, num_tokens=64, num_seqs=8)
+    original = make_plan([5, 1, 30], 6)
+    before = {name: getattr(original, name).copy() for name, _ in plan_arrays(StepPlan)}
+    plan = pad_prefill_plan(original, num_tokens=64, num_seqs=8)
+    for name, array in before.items():  # a new plan: the one padded is left as it was
+        assert np.array_equal(getattr(original, name), array), name
     assert plan.num_tokens == 64 and plan.num_seqs == 8
     assert plan.input_ids[:36].tolist() == before["input_ids"].tolist()
     assert plan.slot_mapping[:36].tolist() == before["slot_mapping"].tolist()

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.engine.step_pipeline import StepPipeline
+from pagedllm.executor.plan_fields import check_plan
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.layers.sampler import SamplerOutput
@@ -71,6 +72,7 @@ class FakeWorker:
         self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
 
     def execute(self, plan: StepPlan, previous: StepOutput | None) -> StepOutput:
+        check_plan(plan)  # each array of the dtype, shape and rows its field declares
         placeholder_rows = set(plan.placeholder_rows.tolist())
         assert placeholder_rows == {row for row, token in enumerate(plan.input_ids) if token == PLACEHOLDER}
         if placeholder_rows:
