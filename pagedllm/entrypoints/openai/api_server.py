@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
@@ -220,7 +221,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or envs.API_KEY.get()
     llm = AsyncLLM(
         args.model, num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine_kwargs(args)
     )
