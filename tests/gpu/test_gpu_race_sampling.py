@@ -96,6 +96,7 @@ def test_engine_with_the_fused_race_keeps_greedy_and_seeded_tokens(tiny_model_di
     torch_path = LLM(tiny_model_dirs["qwen3"], dtype="float32", **SMALL)
     assert torch_path.llm_engine.worker.kernels.sampler == "torch"
     reference = generate(torch_path)
+    del torch_path  # one engine on the GPU at a time
     monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "1")
     llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", **SMALL)  # Sampler.warmup compiles the kernel
     assert llm.llm_engine.worker.kernels.sampler == "triton_race"
