@@ -9,7 +9,8 @@ prints the median decode-step time per mix (from the engine's step records), so 
 the step it is part of.
 
 "temperature only (fused kernel)" runs its batch through the Triton race (kernels/race_sampling.py) and every other
-mix through the torch path, whatever PAGEDLLM_FUSED_SAMPLER says, so the two are compared in one run (CUDA only).
+mix through the torch path (the sampler's kernel choice, set per mix), whatever PAGEDLLM_FUSED_SAMPLER says, so the
+two are compared in one run (CUDA only).
 Leave PAGEDLLM_FUSED_SAMPLER unset (on) for --engine so that start-up compiles the kernel, as it does for a user.
 """
 
@@ -23,7 +24,8 @@ import time
 
 import torch
 
-from pagedllm.layers import sampler as sampler_module
+from pagedllm.kernel_selection import resolve_kernel_choices
+from pagedllm.layers.kernel_choices import KernelChoices
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.sampling_params import SamplingParams
@@ -58,14 +60,20 @@ MIXES = {  # name: each row's SamplingParams given its row index
 FUSED_MIXES = {"temperature only (fused kernel)"}  # sampled by the Triton race kernel (CUDA)
 
 
+def with_race(kernels: KernelChoices, fused: bool) -> KernelChoices:
+    """`kernels` with the fused race kernel on or off."""
+    return dataclasses.replace(kernels, sampler="triton_race" if fused else "torch")
+
+
 @contextlib.contextmanager
-def fused_race(on: bool):
-    """The sampler's switch for the fused race kernel, set for one mix."""
-    previous, sampler_module.FUSED_RACE = sampler_module.FUSED_RACE, on
+def fused_race(sampler: Sampler, on: bool):
+    """The sampler's choice of the fused race kernel, set for one mix."""
+    previous = sampler.kernels
+    sampler.kernels = with_race(previous, on)
     try:
         yield
     finally:
-        sampler_module.FUSED_RACE = previous
+        sampler.kernels = previous
 
 
 def synchronize(device: torch.device) -> None:
@@ -75,14 +83,15 @@ def synchronize(device: torch.device) -> None:
 
 def measure(name: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
     params = [MIXES[name](row) for row in range(args.rows)]
-    sampler = Sampler(num_slots=args.rows, vocab_size=args.vocab, device=device, seed=0)
+    kernels = with_race(resolve_kernel_choices(None, device, head_dim=128), name in FUSED_MIXES)  # an engine's
+    sampler = Sampler(num_slots=args.rows, vocab_size=args.vocab, device=device, seed=0, kernels=kernels)
     generator = torch.Generator().manual_seed(0)
     for slot, p in enumerate(params):  # a 512-token prompt each, then 64 sampled tokens counted for penalties
         sampler.add_request(slot, p, torch.randint(args.vocab, (512,), generator=generator).tolist())
     logits = (torch.randn(args.rows, args.vocab, generator=generator) * 3).to(device)
     slots, num_output_tokens = list(range(args.rows)), [64] * args.rows
     batch = build_sampling_batch(params, slots, num_output_tokens, EOS)
-    penalties = batch.to_device(device, sampler.generators.__getitem__, None).penalties
+    penalties = batch.to_device(device, sampler.generators.__getitem__, None, kernels.pin_memory).penalties
     for _ in range(64 if penalties is not None else 0):
         sampler.penalties.update(penalties, torch.randint(args.vocab, (args.rows,), generator=generator).to(device))
     sampler(logits.clone(), batch)  # warm-up
@@ -139,7 +148,7 @@ def engine_mode(args: argparse.Namespace) -> None:
                 dataclasses.replace(p, max_tokens=96, ignore_eos=True, min_tokens=min(p.min_tokens, 96))
                 for p in (MIXES[name](row) for row in range(args.rows))
             ]
-            with fused_race(name in FUSED_MIXES):
+            with fused_race(llm.llm_engine.worker.sampler, name in FUSED_MIXES):
                 steps[name].append(decode_step_ms(llm, params, prompts))
             llm.reset_prefix_cache()
     base = statistics.median(steps[names[0]])
@@ -172,8 +181,7 @@ def main() -> None:
     for name in args.only or MIXES:
         if name in FUSED_MIXES and device.type != "cuda":
             continue  # the kernel runs on CUDA only
-        with fused_race(name in FUSED_MIXES):
-            sampler_ms, build_ms = measure(name, args, device)
+        sampler_ms, build_ms = measure(name, args, device)
         print(f"| {name:<34} | {sampler_ms:10.2f} | {build_ms:13.2f} |", flush=True)
 
 

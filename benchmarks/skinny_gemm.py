@@ -1,7 +1,7 @@
 """The projections of a whole decode step at 1-16 rows: cuBLAS (F.linear), the engine's own choice between the two
-(layers/linear.linear, "as dispatched") and the skinny-GEMM kernel's tile choices, each as one CUDA graph over every
-layer's qkv, o, gate_up and down (weights of all layers: far more than the L2, as in a real step), timed by graph
-replay. Floor: the weights' bytes at the measured copy bandwidth.
+(the unquantized linear method, layers/linear_method.py: "as dispatched") and the skinny-GEMM kernel's tile choices,
+each as one CUDA graph over every layer's qkv, o, gate_up and down (weights of all layers: far more than the L2, as in
+a real step), timed by graph replay. Floor: the weights' bytes at the measured copy bandwidth.
 
 Run on a GPU: python benchmarks/skinny_gemm.py [--shapes qwen3-0.6b ...] [--rows 1 4 16]
 """
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.entrypoints.bench import measure_ceilings
+from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.kernels.skinny_gemm import skinny_linear
-from pagedllm.layers.linear import linear
+from pagedllm.layers.linear_method import linear_method
 
 # (layers, [(N, K) of qkv, o, gate_up, down])
 SHAPES = {
@@ -74,7 +75,8 @@ def main() -> None:
                     error = float((skinny_linear(x, w, **tiles).double() - reference).norm() / reference.norm())
                     assert error < 1e-2, (shape, rows, w.shape, tiles, error)
             results = {"cuBLAS": 1e3 * replay_ms(step_graph(weights, inputs, F.linear))}
-            results["as dispatched"] = 1e3 * replay_ms(step_graph(weights, inputs, linear))  # what the engine runs
+            engine_product = linear_method(resolve_kernel_choices(None, torch.device("cuda"), head_dim=128)).product
+            results["as dispatched"] = 1e3 * replay_ms(step_graph(weights, inputs, engine_product))  # as the engine
             results["skinny (default)"] = 1e3 * replay_ms(step_graph(weights, inputs, skinny_linear))
             for tiles in TILES:
                 product = lambda x, w, tiles=tiles: skinny_linear(x, w, **tiles)  # noqa: E731

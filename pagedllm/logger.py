@@ -6,13 +6,14 @@ PAGEDLLM_LOG_LEVEL=WARNING silences them; an application that configures logging
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 if not logger.handlers:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s pagedllm: %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(envs.LOG_LEVEL.get())
     logger.propagate = False

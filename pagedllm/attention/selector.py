@@ -15,9 +15,13 @@ TRITON_MAX_HEAD_DIM = 256
 FP8_MIN_CAPABILITY = (8, 9)  # Triton converts float8 e4m3 only on Ada / Hopper and later
 
 
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_unsupported_reason(device: torch.device, head_dim: int, kv_cache_dtype: str) -> str | None:
     """Why the Triton kernels cannot run this model, or None when they can."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_installed():
         return "triton is not installed"
     if head_dim % TRITON_HEAD_DIM_MULTIPLE or not 0 < head_dim <= TRITON_MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not a multiple of {TRITON_HEAD_DIM_MULTIPLE} up to {TRITON_MAX_HEAD_DIM}"
@@ -28,19 +32,25 @@ def triton_unsupported_reason(device: torch.device, head_dim: int, kv_cache_dtyp
     return None
 
 
-def select_backend(
-    name: str | None, device: torch.device, head_dim: int, kv_cache_dtype: str = "auto"
-) -> AttentionBackend:
-    """name None: triton on CUDA, torch elsewhere. Call once per engine: a fallback logs one warning."""
+def choose_backend(name: str | None, device: torch.device, head_dim: int, kv_cache_dtype: str = "auto") -> str:
+    """The name of the backend that runs: `name`, or with None triton on CUDA and torch elsewhere; triton falls back
+    to torch where its kernels cannot take the model. Call once per engine: a fallback logs one warning."""
     if name is None:
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         reason = triton_unsupported_reason(device, head_dim, kv_cache_dtype)
         if reason is None:
-            from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
+            return "triton"
         logger.warning("attention: the triton kernels cannot run this model (%s); using the torch backend", reason)
+    return "torch"
+
+
+def create_backend(name: str) -> AttentionBackend:
+    """The backend choose_backend named (importing Triton only for the triton backend)."""
+    if name == "triton":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()

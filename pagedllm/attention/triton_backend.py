@@ -2,7 +2,7 @@
 
 New K/V are stored through slot_mapping first (quantized to fp8 with their scales when the cache is fp8);
 decode-only steps take the split-K decode kernel (the path CUDA graphs capture), every other step the varlen
-paged kernel. Build it through attention.selector.select_backend, which falls back to torch for models it can't take.
+paged kernel. Chosen by attention.selector.choose_backend, which falls back to torch for models it cannot take.
 """
 
 from __future__ import annotations

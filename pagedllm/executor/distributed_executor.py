@@ -8,7 +8,6 @@ step raises a RuntimeError naming the rank and its error, and every later step r
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import NoReturn
@@ -16,6 +15,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
@@ -71,8 +71,8 @@ class DistributedExecutor:
         self.state = GroupState()
         self.ranks: SpawnedRanks | None = None
         if launched_by_torchrun():
-            rank = int(os.environ["RANK"])
-            device = rank_device(device, int(os.environ["LOCAL_RANK"]))
+            rank = envs.RANK.get()
+            device = rank_device(device, envs.LOCAL_RANK.get())
             self.tp = join_group(rank, size, device, store=None)
             if rank != 0:
                 serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, self.tp))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor.plan_broadcast import receive_plan
 from pagedllm.executor.worker import Worker, collect_start_up_garbage
@@ -34,12 +35,12 @@ STOP_TIMEOUT_S = 10.0  # after this, a rank asked to stop is terminated
 
 
 def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return envs.RANK.get() is not None and envs.WORLD_SIZE.get() > 1
 
 
 def is_rank_zero() -> bool:
     """False only in a process that torchrun launched as a rank other than 0."""
-    return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+    return not launched_by_torchrun() or envs.RANK.get() == 0
 
 
 def check_tensor_parallel(config: EngineConfig, spec: DecoderSpec, device: torch.device) -> None:
@@ -52,13 +53,13 @@ def check_tensor_parallel(config: EngineConfig, spec: DecoderSpec, device: torch
             "build lacks; use tensor_parallel_size=1 or a torch build that has it"
         )
     check_tensor_parallel_size(spec, size)
-    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) != size:
+    if launched_by_torchrun() and envs.WORLD_SIZE.get() != size:
         raise ValueError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size={size}: "
+            f"torchrun started {envs.WORLD_SIZE.get()} processes but tensor_parallel_size={size}: "
             "launch exactly tensor_parallel_size processes (--nnodes x --nproc-per-node)"
         )
     if device.type == "cuda":
-        needed = int(os.environ.get("LOCAL_WORLD_SIZE", size)) if launched_by_torchrun() else (device.index or 0) + size
+        needed = (envs.LOCAL_WORLD_SIZE.get() or size) if launched_by_torchrun() else (device.index or 0) + size
         if needed > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size={size} needs {needed} GPUs on this host (one per rank"
@@ -146,8 +147,8 @@ class SpawnedRanks:
     ):
         """num_threads: each rank's torch CPU threads."""
         self.size = config.tensor_parallel_size
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", 0))  # 0: the store binds a free port, so engines never collide
+        host = envs.MASTER_ADDR.get()
+        port = envs.MASTER_PORT.get()  # 0: the store binds a free port, so engines never collide
         timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
         self.store = dist.TCPStore(host, port, self.size, is_master=True, wait_for_workers=False, timeout=timeout)
         self.stopping = False

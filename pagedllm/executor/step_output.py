@@ -66,13 +66,15 @@ class StepOutput:
         self.step_id = step_id
         self.sampled_token_ids = None if sampled is None else sampled.sampled_token_ids  # on the device
         self.events = events
-        self.host_sampled = None if sampled is None else sampled.to_host()
-        self.host_prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.to_host()
+        on_cuda = (sampled is not None and sampled.sampled_token_ids.is_cuda) or (
+            prompt_logprobs is not None and prompt_logprobs.token_logprobs.is_cuda
+        )
+        self.host_sampled = None if sampled is None else sampled.to_host(pin_memory=on_cuda)
+        self.host_prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.to_host(pin_memory=on_cuda)
         self.copied: torch.cuda.Event | None = None
         # Raises if the results cannot be trusted (a tensor-parallel rank failed while the step ran).
         self.check_ranks: Callable[[], None] | None = None
-        on_cuda = sampled is not None and sampled.sampled_token_ids.is_cuda
-        if on_cuda or (prompt_logprobs is not None and prompt_logprobs.token_logprobs.is_cuda):
+        if on_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedllm.attention.selector import select_backend
+from pagedllm.attention.selector import create_backend
 from pagedllm.config import EngineConfig
 from pagedllm.executor.cuda_graphs import (
     DecodeGraphs,
@@ -34,10 +34,12 @@ from pagedllm.executor.kv_cache import (
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
+from pagedllm.kernel_selection import resolve_kernel_choices
+from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
 from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch, upload_array
+from pagedllm.layers.sampling_batch import array_to_device, build_sampling_batch
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
@@ -82,16 +84,21 @@ class Worker:
         self.prefill_token_counts = graph_token_counts(max_tokens)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        with building_with(tp):
+        self.kernels = resolve_kernel_choices(
+            config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype
+        )  # which kernels the model, the attention backend and the sampler run
+        with building_with(tp), building_with_kernels(self.kernels):
             self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
-        self.backend = select_backend(config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype)
+        self.backend = create_backend(self.kernels.attention)
         # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
         # so that graphs on and off give bit-identical results (the same matmul shapes).
-        self.pads_steps = self.buffers is not None and self.backend.name == "triton"
+        self.pads_steps = self.buffers is not None and self.kernels.attention == "triton"
         # One slot per sequence the scheduler may have admitted at once (running or preempted): max_num_seqs.
         # Only rank 0 samples.
-        self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed) if tp.rank == 0 else None
+        self.sampler = None
+        if tp.rank == 0:
+            self.sampler = Sampler(config.max_num_seqs, self.spec.vocab_size, device, config.seed, self.kernels)
         if device.type == "cuda" and self.sampler is not None:
             self.sampler.penalties.allocate()  # before the KV cache takes what is left
         self.record_events = False  # set by the engine when someone wants device timings
@@ -109,10 +116,10 @@ class Worker:
         self.kv_cache = self.bind_kv_cache(self.num_kv_blocks)
         log = logger.info if tp.rank == 0 else logger.debug
         log(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; attention backend %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; kernels: %s",
             self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
             self.num_kv_blocks * block_bytes / 2**30, ", fp8" if config.kv_cache_dtype == "fp8" else "", device,
-            self.backend.name,
+            self.kernels.describe(),
         )  # fmt: skip
         if captures_graphs:
             self.capture_graphs(log)
@@ -320,6 +327,11 @@ class Worker:
     def shutdown(self) -> None:
         """Drop the graphs, the KV cache and the model, so their memory is freed; the worker runs no more steps."""
         self.graphs = self.prefill_graphs = self.kv_cache = self.model = None
+
+
+def upload_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A plan's array on the worker's device: staged through pinned memory, asynchronously, on CUDA."""
+    return array_to_device(array, device, pin_memory=device.type == "cuda")
 
 
 def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:

@@ -11,8 +11,6 @@ cuBLAS's kernels for such shapes moved the weights at 0.8-1.6 TB/s on the H200 (
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -20,15 +18,15 @@ import triton.language as tl
 from pagedllm.kernels.device import multiprocessor_count
 
 MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
-# linear() sends a product here only where the H200 measured it faster than cuBLAS (benchmarks/skinny_gemm.py,
-# whole-step graphs of every layer's projections): Qwen3-0.6B's (hidden size 1024: each weight has a side of 1024,
-# and at most 6.3M values) at 1 row (622 vs 817 us) and 4 rows (692 vs 742), but not at 16 (707 vs 651).
+# The unquantized linear method (layers/linear_method.py) sends a product here only where the H200 measured it
+# faster than cuBLAS (benchmarks/skinny_gemm.py, whole-step graphs of every layer's projections): Qwen3-0.6B's
+# (hidden size 1024: each weight has a side of 1024, and at most 6.3M values) at 1 row (622 vs 817 us) and 4 rows
+# (692 vs 742), but not at 16 (707 vs 651).
 # TinyLlama-1.1B's and Llama-3.2-1B's (hidden size 2048) were 2-5% slower at 1 and 4 rows, whether the kernel took
 # every projection or only those of at most 8M values.
 DISPATCH_MAX_ROWS = 4
 DISPATCH_MAX_SIDE = 1024
 DISPATCH_MAX_WEIGHTS = 1 << 23
-ENABLED = os.environ.get("PAGEDLLM_SKINNY_GEMM", "1") != "0"
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -150,11 +148,10 @@ def beats_cublas(num_rows: int, weight: torch.Tensor) -> bool:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear() sends this product to skinny_linear: CUDA, 16-bit, where it beats cuBLAS."""
+    """Whether the linear method sends this product to skinny_linear (where the kernel choices allow the kernel at
+    all: CUDA, PAGEDLLM_SKINNY_GEMM on): 16-bit, where it beats cuBLAS."""
     return (
-        ENABLED
-        and x.is_cuda
-        and x.dim() == 2
+        x.dim() == 2
         and beats_cublas(x.shape[0], weight)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype

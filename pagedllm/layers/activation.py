@@ -6,15 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.compile import fused, fusible
+from pagedllm.layers.kernel_choices import kernel_choices
 
 
-@fuse_on_cuda
+@fusible
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.silu_and_mul = fused(silu_and_mul, kernel_choices().compile)
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)
+        return self.silu_and_mul(gate_up)

@@ -1,22 +1,22 @@
-"""Fuse the small element-wise ops on CUDA with torch.compile; on CPU they run as written (no compile time).
-
-Each decorated function is a few element-wise ops that eager mode would launch as separate kernels; compiled,
+"""The small element-wise functions, run as written or fused by torch.compile where the kernel choices compile
+(CUDA by default; KernelChoices.compile): each is a few ops that eager mode launches as separate kernels; compiled,
 they become one Triton kernel. Shapes are dynamic so a new batch size does not recompile.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+from collections.abc import Callable
 
 import torch
 
-ENABLED = os.environ.get("PAGEDLLM_COMPILE", "1") != "0"
 
+def fusible(function: Callable) -> Callable:
+    """Give `function` a `compiled` twin: the same computation through torch.compile, built on its first call
+    (importing the compiler costs an eager run seconds). The function itself stays as written."""
 
-def fuse_on_cuda(function):
     @functools.cache
-    def compiled():  # built on first CUDA use: importing the compiler costs CPU-only runs seconds
+    def build():
         # Every engine in a process (tests build many, with other dtypes and shapes) adds a specialisation.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # compile_threads 1: inductor compiles in this process and starts no pool of worker processes (a sidecar
@@ -24,7 +24,13 @@ def fuse_on_cuda(function):
         return torch.compile(function, dynamic=True, fullgraph=True, options={"compile_threads": 1})
 
     @functools.wraps(function)
-    def dispatch(x: torch.Tensor, *args):
-        return compiled()(x, *args) if ENABLED and x.is_cuda else function(x, *args)
+    def compiled(*args):
+        return build()(*args)
 
-    return dispatch
+    function.compiled = compiled
+    return function
+
+
+def fused(function: Callable, compile: bool) -> Callable:
+    """A fusible function's compiled twin when `compile`, else the function as written."""
+    return function.compiled if compile else function

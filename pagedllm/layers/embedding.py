@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import check_full_shape, copy_weight
+from pagedllm.layers.linear import check_full_shape
+from pagedllm.layers.linear_method import copy_weight
 from pagedllm.layers.parallel_state import tp_group
 
 if TYPE_CHECKING:

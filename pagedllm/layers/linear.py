@@ -2,7 +2,9 @@
 
 Column-parallel layers split the output features (no communication); row-parallel layers split the input
 features and all-reduce the partial sums. Each parameter carries a weight_loader that takes the checkpoint tensor
-(a CheckpointTensor: nothing is read until it is narrowed to this rank's shard and copied) and copies in the shard.
+(a CheckpointTensor: nothing is read until it is narrowed to this rank's shard and copied) and narrows it to the
+shard; the layer's linear method (layers/linear_method.py, chosen from the kernel choices) holds the weights, takes
+the shard in and multiplies.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.kernel_choices import kernel_choices
+from pagedllm.layers.linear_method import linear_method
 from pagedllm.layers.parallel_state import divide, kv_heads_per_rank, tp_group
 
 if TYPE_CHECKING:
@@ -26,41 +29,19 @@ def check_full_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> Non
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the config implies {tuple(expected)}")
 
 
-def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
-    param.data.copy_(loaded.read())
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA, a product of a few rows of x (a small decode step) by a narrow weight goes to the
-    skinny-GEMM kernel, where it was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py)."""
-    if x.is_cuda:
-        from pagedllm.kernels import skinny_gemm  # imports Triton: only on CUDA
-
-        if skinny_gemm.takes(x, weight):
-            return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 class LinearBase(nn.Module):
+    """Holds its tensor-parallel group and its linear method, both taken while the model is built."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.tp = tp_group()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        self.method = linear_method(kernel_choices())
+        self.method.create_weights(self, in_features, out_features, bias)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
-        copy_weight(param, loaded)
+        return self.method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -72,7 +53,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         shard = param.shape[0]
         check_full_shape(loaded, (shard * self.tp.size, *param.shape[1:]))
-        copy_weight(param, loaded.narrow(0, self.tp.rank * shard, shard))
+        self.method.load(param, loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,7 +67,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
-        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+        self.method.load(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(LinearBase):
@@ -113,7 +94,7 @@ class QKVParallelLinear(LinearBase):
         }[shard_id]
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         check_full_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]))
-        copy_weight(param.narrow(0, offset, size), loaded.narrow(0, index * size, size))
+        self.method.load(param.narrow(0, offset, size), loaded.narrow(0, index * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -124,12 +105,12 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         if param.dim() == 1:  # bias: added once, after the reduction
-            copy_weight(param, loaded)
+            self.method.load(param, loaded)
             return
         shard = param.shape[1]
         check_full_shape(loaded, (param.shape[0], shard * self.tp.size))
-        copy_weight(param, loaded.narrow(1, self.tp.rank * shard, shard))
+        self.method.load(param, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias

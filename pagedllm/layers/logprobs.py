@@ -15,8 +15,8 @@ class LogprobsTensors:
     token_logprobs: torch.Tensor  # [rows] float32: the chosen token's logprob
     token_ranks: torch.Tensor  # [rows] int64: 1 + how many tokens are strictly more likely than the chosen one
 
-    def to_host(self) -> LogprobsTensors:
-        return LogprobsTensors(*(copy_to_host(tensor) for tensor in self.tensors()))
+    def to_host(self, pin_memory: bool = False) -> LogprobsTensors:
+        return LogprobsTensors(*(copy_to_host(tensor, pin_memory) for tensor in self.tensors()))
 
     @classmethod
     def concat(cls, parts: list[LogprobsTensors]) -> LogprobsTensors:
@@ -27,10 +27,11 @@ class LogprobsTensors:
         return self.top_token_ids, self.top_logprobs, self.token_logprobs, self.token_ranks
 
 
-def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Start copying a device tensor to pinned host memory; the caller syncs (an event) before reading it."""
-    if tensor.device.type == "cpu":
-        return tensor
+def copy_to_host(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """With pin_memory (a CUDA device), start copying the tensor to pinned host memory: the caller syncs (an event)
+    before reading it. Without, a plain copy, which a tensor already on the host does not need (it is returned)."""
+    if not pin_memory:
+        return tensor.cpu()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
 

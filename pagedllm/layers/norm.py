@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.compile import fused, fusible
+from pagedllm.layers.kernel_choices import kernel_choices
 
 
-@fuse_on_cuda
+@fusible
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers does it: statistics in float32, weight applied in the input dtype.
     x32 = x.float()
@@ -16,7 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-@fuse_on_cuda
+@fusible
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     residual = x + residual
     x32 = residual.float()
@@ -29,10 +30,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        compile = kernel_choices().compile
+        self.rms_norm, self.add_rms_norm = fused(rms_norm, compile), fused(add_rms_norm, compile)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self.rms_norm(x, self.weight, self.eps)
+        return self.add_rms_norm(x, residual, self.weight, self.eps)

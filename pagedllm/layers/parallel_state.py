@@ -70,10 +70,6 @@ def tp_group() -> TensorParallelGroup:
     return _building
 
 
-def tp_rank() -> int:
-    return _building.rank
-
-
 def tp_size() -> int:
     return _building.size
 

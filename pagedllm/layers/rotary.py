@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.compile import fused, fusible
+from pagedllm.layers.kernel_choices import kernel_choices
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -34,7 +35,7 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@fuse_on_cuda
+@fusible
 def apply_rotary(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +56,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        self.apply_rotary = fused(apply_rotary, kernel_choices().compile)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [num_tokens, heads, head_dim], key [num_tokens, kv_heads, head_dim] rotated by their positions."""
-        return apply_rotary(positions, query, key, self.cos_sin)
+        return self.apply_rotary(positions, query, key, self.cos_sin)

@@ -6,28 +6,26 @@ distribution the previous one left, renormalised) and draw. A row draws by the e
 argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logits / T) without computing it.
 Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
 
-On CUDA the element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up.
-A CUDA batch that only races (no top-k, top-p or min-p, no seeded row) runs the race as one Triton kernel that makes
-its noise in registers (kernels/race_sampling.py) instead of writing it to memory; PAGEDLLM_FUSED_SAMPLER=0 turns that
-off (the torch path then draws the noise as for the other batches).
+The kernel choices the sampler is built with say what runs (on CUDA by default: both of these). With `compile`, the
+element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up. With the
+`triton_race` sampler, a batch that only races (no top-k, top-p or min-p, no seeded row) runs the race as one Triton
+kernel that makes its noise in registers (kernels/race_sampling.py) instead of writing it to memory; on the H200 a
+256-row decode step took 5.95 ms with it, 6.04 ms without, and it costs the host 0.19 ms a step against 0.23 ms
+(benchmarks/NOTES.md). PAGEDLLM_FUSED_SAMPLER=0 takes the torch path, which draws the noise as for other batches.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.compile import fuse_on_cuda
+from pagedllm.layers.compile import fused, fusible
+from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
 from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
-
-# The fused race: on the H200 a 256-row decode step took 5.95 ms with it, 6.04 ms without, and it costs the host
-# 0.19 ms a step against 0.23 ms (benchmarks/NOTES.md). Read once, at import.
-FUSED_RACE = os.environ.get("PAGEDLLM_FUSED_SAMPLER", "1") == "1"
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
 # penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.
@@ -44,18 +42,22 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [rows] int64
     logprobs: LogprobsTensors | None = None  # for SamplingBatch.logprob_rows, in that order
 
-    def to_host(self) -> SamplerOutput:
-        """Start the copies to pinned host memory (asynchronous on CUDA: record an event, sync it before reading)."""
-        logprobs = None if self.logprobs is None else self.logprobs.to_host()
-        return SamplerOutput(copy_to_host(self.sampled_token_ids), logprobs)
+    def to_host(self, pin_memory: bool = False) -> SamplerOutput:
+        """Start the copies to the host: to pinned memory, asynchronously, with `pin_memory` (record an event, sync
+        it before reading); without, plain copies (none at all for tensors already on the host)."""
+        logprobs = None if self.logprobs is None else self.logprobs.to_host(pin_memory)
+        return SamplerOutput(copy_to_host(self.sampled_token_ids, pin_memory), logprobs)
 
 
 class Sampler:
     """Samples a step's rows and owns the per-request device state that sampling needs, keyed by request slot."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device, seed: int):
-        self.device = device
-        self.penalties = PenaltyState(num_slots, vocab_size, device)
+    def __init__(
+        self, num_slots: int, vocab_size: int, device: torch.device, seed: int, kernels: KernelChoices = TORCH_KERNELS
+    ):
+        """kernels: which kernels sample (plain torch unless given; the worker passes the engine's choices)."""
+        self.device, self.kernels = device, kernels
+        self.penalties = PenaltyState(num_slots, vocab_size, device, kernels)
         self.generators = SeededGenerators(device)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -83,7 +85,7 @@ class Sampler:
                 self(torch.zeros(num_rows, self.penalties.vocab_size, device=self.device), batch)
                 for slot in slots:
                     self.release(slot)
-        if FUSED_RACE and self.device.type == "cuda":  # one Triton specialisation serves every batch size
+        if self.kernels.sampler == "triton_race":  # one Triton specialisation serves every batch size
             temperatures = torch.tensor([0.8, 0.0], device=self.device)
             logits = torch.zeros(len(temperatures), self.penalties.vocab_size, device=self.device)
             fused_race(logits, temperatures, torch.Generator(device=self.device).manual_seed(0))
@@ -91,20 +93,25 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
         if batch.on_device is None:
-            batch.on_device = batch.to_device(self.device, self.generators.__getitem__, self.default_generator)
+            batch.on_device = batch.to_device(
+                self.device, self.generators.__getitem__, self.default_generator, self.kernels.pin_memory
+            )
         tensors = batch.on_device
-        return sample_tokens(logits.float(), tensors, self.penalties)
+        return sample_tokens(logits.float(), tensors, self.penalties, self.kernels)
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingTensors, penalty_state: PenaltyState | None = None
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    penalty_state: PenaltyState | None = None,
+    kernels: KernelChoices = TORCH_KERNELS,
 ) -> SamplerOutput:
     """logits [rows, vocab] float32 (modified in place) -> the sampled ids, and logprobs for the rows that asked."""
     raw_logprobs = None
     if params.logprob_rows is not None:
         all_rows = len(params.logprob_rows) == len(logits)
         raw_logprobs = (logits if all_rows else logits.index_select(0, params.logprob_rows)).log_softmax(dim=-1)
-    sampled = choose_tokens(process_logits(logits, params, penalty_state), params)
+    sampled = choose_tokens(process_logits(logits, params, penalty_state), params, kernels)
     if params.penalties is not None:
         penalty_state.update(params.penalties, sampled)
     if raw_logprobs is None:
@@ -126,10 +133,12 @@ def process_logits(
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingTensors, kernels: KernelChoices = TORCH_KERNELS
+) -> torch.Tensor:
     if params.all_greedy:
         return logits.argmax(dim=-1)
-    if FUSED_RACE and logits.is_cuda and is_plain_race(params):
+    if kernels.sampler == "triton_race" and is_plain_race(params):
         return fused_race(logits, params.temperatures, params.default_generator)
     temperatures = params.divisors
     if params.top_ks is not None or params.top_ps is not None:
@@ -137,9 +146,10 @@ def choose_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
     else:
         noise = exponential_noise(logits, params)
         if params.min_ps is None:
-            sampled = exponential_race(logits, temperatures, noise)
+            sampled = fused(exponential_race, kernels.compile)(logits, temperatures, noise)
         else:
-            sampled = exponential_race_min_p(logits, temperatures, params.min_ps.log(), noise)
+            race = fused(exponential_race_min_p, kernels.compile)
+            sampled = race(logits, temperatures, params.min_ps.log(), noise)
     if not params.any_greedy:
         return sampled
     return torch.where(params.temperatures > 0, sampled, logits.argmax(dim=-1))
@@ -154,18 +164,18 @@ def is_plain_race(params: SamplingTensors) -> bool:
 def fused_race(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy rows (temperature 0) and the race in one kernel. Its seed is drawn on the device from `generator`,
     so nothing waits for the host."""
-    from pagedllm.kernels.race_sampling import race_sample  # imports Triton: only where this path runs
+    from pagedllm.kernels.race_sampling import race_sample  # imports Triton: only where the choices take this path
 
     seed = torch.randint(2**31 - 1, (1,), generator=generator, device=logits.device)
     return race_sample(logits, temperatures, seed)
 
 
-@fuse_on_cuda
+@fusible
 def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (logits / temperatures[:, None] - noise.log()).argmax(dim=-1)
 
 
-@fuse_on_cuda
+@fusible
 def exponential_race_min_p(
     logits: torch.Tensor, temperatures: torch.Tensor, log_min_ps: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:

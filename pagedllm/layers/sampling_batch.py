@@ -58,13 +58,15 @@ class SamplingBatch:
         device: torch.device,
         generator_for_slot: Callable[[int], torch.Generator],
         default_generator: torch.Generator | None,
+        pin_memory: bool = False,
     ) -> SamplingTensors:
-        """Upload every array (asynchronously on CUDA) and look up the seeded rows' generators."""
+        """Upload every array (through pinned memory, asynchronously, with pin_memory: a CUDA device) and look up
+        the seeded rows' generators."""
         generators = {}
         if self.seeded_rows is not None:
             for row, slot in zip(self.seeded_rows.tolist(), self.seeded_slots.tolist()):
                 generators[row] = generator_for_slot(slot)
-        upload = lambda array: None if array is None else upload_array(array, device)
+        upload = lambda array: None if array is None else array_to_device(array, device, pin_memory)
         temperatures = upload(self.temperatures)
         divisors = temperatures  # what the racing rows divide their logits by; greedy rows take 1
         if self.any_greedy and not self.all_greedy:
@@ -101,11 +103,13 @@ class SamplingBatch:
         )
 
 
-def upload_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def array_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """`array` on `device`: through pinned memory, asynchronously, with pin_memory (a CUDA device); else a plain
+    copy, which the host does not need (the tensor shares the array's memory)."""
     tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if pin_memory:
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclass(slots=True)

@@ -3,10 +3,12 @@ token counts for the penalties, and the generators of seeded requests."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from pagedllm.layers.compile import fuse_on_cuda
-from pagedllm.layers.sampling_batch import PenaltyTensors
+from pagedllm.layers.compile import fused, fusible
+from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
+from pagedllm.layers.sampling_batch import PenaltyTensors, array_to_device
 
 
 class PenaltyState:
@@ -14,8 +16,8 @@ class PenaltyState:
     request that uses a penalty. Counts are updated on the device from the sampled ids: no host sync, so steps can
     be queued ahead of their results."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
-        self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, device
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device, kernels: KernelChoices = TORCH_KERNELS):
+        self.num_slots, self.vocab_size, self.device, self.kernels = num_slots, vocab_size, device, kernels
         self.output_counts: torch.Tensor | None = None  # [num_slots, vocab] int32
         self.prompt_mask: torch.Tensor | None = None  # [num_slots, vocab] bool
         self.active_slots: set[int] = set()
@@ -35,9 +37,7 @@ class PenaltyState:
         self.active_slots.add(slot)
         self.output_counts[slot].zero_()  # queued after any update still in flight for the slot's last owner
         self.prompt_mask[slot].zero_()
-        prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
-        if self.device.type != "cpu":
-            prompt = prompt.pin_memory().to(self.device, non_blocking=True)
+        prompt = array_to_device(np.array(prompt_token_ids, dtype=np.int64), self.device, self.kernels.pin_memory)
         self.prompt_mask[slot].index_fill_(0, prompt, True)
 
     def release(self, slot: int) -> None:
@@ -47,7 +47,7 @@ class PenaltyState:
         """Penalise the rows of logits [rows, vocab] float32 (in place where they are a subset) and return them."""
         assert self.output_counts is not None, "a row has penalties but no request was added with them"
         presence, frequency, repetition = penalties.presence, penalties.frequency, penalties.repetition
-        if logits.is_cuda:  # one compiled signature for every mix of penalties (Sampler.warmup compiles it)
+        if self.kernels.compile:  # one compiled signature for every mix of penalties (Sampler.warmup compiles it)
             neutral = lambda value: torch.full(penalties.slots.shape, value, device=logits.device)
             presence = neutral(0.0) if presence is None else presence
             frequency = neutral(0.0) if frequency is None else frequency
@@ -55,7 +55,7 @@ class PenaltyState:
         counts = self.output_counts.index_select(0, penalties.slots)
         prompt_mask = self.prompt_mask.index_select(0, penalties.slots) if repetition is not None else None
         rows = logits if penalties.rows is None else logits.index_select(0, penalties.rows)
-        penalised = penalise(rows, counts, prompt_mask, presence, frequency, repetition)
+        penalised = fused(penalise, self.kernels.compile)(rows, counts, prompt_mask, presence, frequency, repetition)
         if penalties.rows is None:
             return penalised
         return logits.index_copy_(0, penalties.rows, penalised)
@@ -67,7 +67,7 @@ class PenaltyState:
         self.output_counts.index_put_((penalties.slots, tokens), one, accumulate=True)
 
 
-@fuse_on_cuda
+@fusible
 def penalise(
     logits: torch.Tensor,
     counts: torch.Tensor,

@@ -29,6 +29,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagedllm import envs
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 # general.architecture -> the transformers config class of that family
@@ -87,7 +88,7 @@ def load_gguf(
 
 def default_cache_dir() -> Path:
     """$PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+    return envs.CACHE_DIR.get() or Path.home() / ".cache" / "pagedllm"
 
 
 def converted_copy(path: Path, write: bool) -> Path | None:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from pagedllm.layers.linear import copy_weight
+from pagedllm.layers.linear_method import copy_weight
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

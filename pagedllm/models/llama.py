@@ -13,6 +13,7 @@ from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -43,6 +44,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        # triton: the q/k norms and the rotation as one kernel, in place in qkv (query and key view it)
+        self.rotates_in_place = kernel_choices().rotary == "triton"
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -51,7 +54,7 @@ class SelfAttention(nn.Module):
         query = query.view(-1, self.num_heads, self.head_dim)
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda:  # the q/k norms and the rotation as one kernel, in place in qkv (query and key view it)
+        if self.rotates_in_place:
             self.rotate_in_place(qkv, positions)
         else:
             if self.qk_norm:
@@ -60,7 +63,7 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(query, key, value, metadata))
 
     def rotate_in_place(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
-        from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only on CUDA
+        from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only where the choices take this kernel
 
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         rotate_qk_(qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norms)

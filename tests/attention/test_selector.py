@@ -1,4 +1,4 @@
-"""select_backend: the backend asked for, or torch with one warning when the Triton kernels cannot take the model."""
+"""choose_backend: the backend asked for, or torch with one warning when the Triton kernels cannot take the model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pagedllm.attention.selector import select_backend
+from pagedllm.attention.selector import choose_backend, create_backend
 from pagedllm.logger import logger
 
 
@@ -21,19 +21,24 @@ def warnings(caplog):
 
 @pytest.mark.parametrize("head_dim", [8, 64, 80, 96, 128, 136, 256])
 def test_triton_takes_every_head_dim_that_is_a_multiple_of_8_up_to_256(head_dim, warnings):
-    assert select_backend("triton", torch.device("cpu"), head_dim).name == "triton"
-    assert select_backend("triton", torch.device("cpu"), head_dim, "fp8").name == "triton"
+    assert choose_backend("triton", torch.device("cpu"), head_dim) == "triton"
+    assert choose_backend("triton", torch.device("cpu"), head_dim, "fp8") == "triton"
     assert not warnings.records
 
 
 @pytest.mark.parametrize("head_dim", [4, 100, 264, 512])
 def test_other_head_dims_fall_back_to_torch_with_one_warning(head_dim, warnings):
-    assert select_backend("triton", torch.device("cpu"), head_dim).name == "torch"
+    assert choose_backend("triton", torch.device("cpu"), head_dim) == "torch"
     assert len(warnings.records) == 1
     assert f"head_dim {head_dim}" in warnings.text and "using the torch backend" in warnings.text
 
 
 def test_default_is_torch_on_cpu_and_torch_stays_torch(warnings):
-    assert select_backend(None, torch.device("cpu"), 64, "fp8").name == "torch"
-    assert select_backend("torch", torch.device("cpu"), 100).name == "torch"
+    assert choose_backend(None, torch.device("cpu"), 64, "fp8") == "torch"
+    assert choose_backend("torch", torch.device("cpu"), 100) == "torch"
     assert not warnings.records
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_the_chosen_name_builds_that_backend(name):
+    assert create_backend(name).name == name

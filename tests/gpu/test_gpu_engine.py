@@ -11,6 +11,7 @@ from conftest import VOCAB_SIZE, capture_logits
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.kernel_choices import KernelChoices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,6 +53,18 @@ def test_float32_greedy_matches_transformers(tiny_model_dirs, name):
     llm = LLM(tiny_model_dirs[name], dtype="float32", **SMALL)
     assert llm.llm_engine.worker.backend.name == "triton"
     assert tokens(llm, batch) == reference_greedy(tiny_model_dirs[name], torch.float32, batch)
+
+
+def test_torch_attention_on_cuda_runs_plain_torch_everywhere(tiny_model_dirs):
+    """attention_backend='torch' on a GPU: no Triton kernel and nothing compiled (only the copies stay pinned), and
+    float32 greedy still matches transformers."""
+    batch = prompts()
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", attention_backend="torch", **SMALL)
+    worker = llm.llm_engine.worker
+    assert worker.kernels == KernelChoices(pin_memory=True) and worker.backend.name == "torch"
+    assert worker.sampler.kernels == worker.kernels and worker.graphs is None
+    assert not any(getattr(module, "rotates_in_place", False) for module in worker.model.modules())
+    assert tokens(llm, batch) == reference_greedy(tiny_model_dirs["qwen3"], torch.float32, batch)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen3"])

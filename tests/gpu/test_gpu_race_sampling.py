@@ -1,6 +1,6 @@
 """The fused race kernel compiled on a CUDA GPU (run there with `pytest -m gpu tests/gpu`): its draws follow
 softmax(logits / T) at Qwen3's vocabulary size, and an engine with the switch on (the default;
-PAGEDLLM_FUSED_SAMPLER, set here on the module as the variable sets it at import) keeps greedy and seeded requests'
+PAGEDLLM_FUSED_SAMPLER, set here before each engine starts, which reads it) keeps greedy and seeded requests'
 tokens and compiles at start-up."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import race_sampling
-from pagedllm.layers import sampler as sampler_module
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,10 +92,14 @@ def test_engine_with_the_fused_race_keeps_greedy_and_seeded_tokens(tiny_model_di
     def generate(llm: LLM) -> list[list[int]]:
         return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
-    monkeypatch.setattr(sampler_module, "FUSED_RACE", False)  # whatever PAGEDLLM_FUSED_SAMPLER says
-    reference = generate(LLM(tiny_model_dirs["qwen3"], dtype="float32", **SMALL))
-    monkeypatch.setattr(sampler_module, "FUSED_RACE", True)
+    monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "0")  # read when the engine resolves its kernel choices
+    torch_path = LLM(tiny_model_dirs["qwen3"], dtype="float32", **SMALL)
+    assert torch_path.llm_engine.worker.kernels.sampler == "torch"
+    reference = generate(torch_path)
+    del torch_path  # one engine on the GPU at a time
+    monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "1")
     llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", **SMALL)  # Sampler.warmup compiles the kernel
+    assert llm.llm_engine.worker.kernels.sampler == "triton_race"
     compiled = specialisations()
     assert compiled
     calls = []

@@ -12,6 +12,7 @@ import torch
 from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers import sampler as sampler_module
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.sampling_batch import build_sampling_batch
@@ -43,7 +44,8 @@ MIXED = [  # every sampler path and feature, each row its own
 def run_sampler(device: torch.device, logits: list[torch.Tensor], noise: list[torch.Tensor] | None) -> tuple:
     """MIXED over several steps on `device`. noise None: record every Exp(1) noise tensor drawn; else replay those
     (the generators of CPU and CUDA differ, the arithmetic on the same draws must not)."""
-    sampler = Sampler(num_slots=len(MIXED), vocab_size=VOCAB, device=device, seed=0)
+    kernels = resolve_kernel_choices(None, device, head_dim=64)  # an engine's on that device
+    sampler = Sampler(num_slots=len(MIXED), vocab_size=VOCAB, device=device, seed=0, kernels=kernels)
     if device.type == "cuda":
         sampler.warmup()  # as the worker does: the compiled paths, before any request
     recorded = []

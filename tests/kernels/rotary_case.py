@@ -28,8 +28,7 @@ def rotate_case(
     query, key, value = qkv.split(sizes, -1)
     query, key = query.reshape(num_tokens, num_q_heads, head_dim), key.reshape(num_tokens, num_kv_heads, head_dim)
     if norm:  # the function as written, uncompiled on CUDA too
-        normalize = rms_norm.__wrapped__
-        query, key = normalize(query, weights[0], eps), normalize(key, weights[1], eps)
+        query, key = rms_norm(query, weights[0], eps), rms_norm(key, weights[1], eps)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
     expected = torch.cat([rotate_neox(query, cos, sin).flatten(1), rotate_neox(key, cos, sin).flatten(1)], dim=1)
     values_before = value.clone()

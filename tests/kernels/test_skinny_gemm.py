@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from interpreter_child import interpreter_results
 
+from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.kernels.skinny_gemm import choose_split_k
-from pagedllm.layers.linear import linear
+from pagedllm.layers.linear_method import linear_method
 
 # (rows, N, K, split_k, bias): None takes the kernel's own split choice
 CASES = [
@@ -88,11 +89,12 @@ def test_only_few_rows_and_small_weights_leave_cublas() -> None:
 
 
 def test_linear_on_cpu_is_torch_linear() -> None:
-    """The kernel runs on CUDA only; elsewhere linear() is F.linear, bit for bit."""
+    """The kernel runs on CUDA only; the linear method the CPU's kernel choices give is F.linear, bit for bit."""
+    method = linear_method(resolve_kernel_choices(None, torch.device("cpu"), head_dim=64))
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((3, 20), (7, 20), (7,)))
-    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
-    assert torch.equal(linear(x.bfloat16(), weight.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+    assert torch.equal(method.product(x, weight, bias), F.linear(x, weight, bias))
+    assert torch.equal(method.product(x.bfloat16(), weight.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:

@@ -1,6 +1,6 @@
-"""Sampler.warmup() runs every compiled function of the sampler (fuse_on_cuda) at one row and at several, the two
-shapes torch.compile specialises, so no step meets a compilation later. Checked on CPU by recording the calls; the
-GPU test counts compilations."""
+"""Sampler.warmup() runs every compiled function of the sampler (layers/compile.fusible) at one row and at several,
+the two shapes torch.compile specialises, so no step meets a compilation later. Checked on CPU by recording the calls;
+the GPU test counts compilations."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ MODULES = (sampler_module, sampling_state)
 
 
 def compiled_functions() -> list[tuple[object, str]]:
-    """(module, name) of every function the sampler's modules wrap with fuse_on_cuda."""
+    """(module, name) of every function the sampler's modules mark as fusible (they have a compiled twin)."""
     return [
         (module, name)
         for module in MODULES
         for name, value in vars(module).items()
-        if callable(value) and getattr(value, "__wrapped__", None) is not None and value.__module__ == module.__name__
+        if callable(value) and getattr(value, "compiled", None) is not None and value.__module__ == module.__name__
     ]
 
 

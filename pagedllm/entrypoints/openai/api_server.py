@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.engine_args import engine_kwargs
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -208,7 +209,7 @@ class Server(uvicorn.Server):
 
 
 def run_server(args: argparse.Namespace) -> None:
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or envs.API_KEY.get() or None
     engine = engine_kwargs(args, "serve")
     llm = AsyncLLM(num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine)
     try:

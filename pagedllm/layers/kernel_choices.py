@@ -1,0 +1,53 @@
+"""Which kernel each part of the model and the sampler runs, decided once at start-up (pagedllm/kernel_selection.py)
+and handed to the layers while the model is built (`building_with_kernels`), as the tensor-parallel group is: a
+layer reads the choices current in its __init__ and keeps them, so no layer branches on where a tensor lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoices:
+    """The defaults are plain torch everywhere: what runs on CPU, and on a GPU with attention_backend='torch'.
+
+    Quantized weights will add a field here naming their linear method (layers/linear_method.py)."""
+
+    attention: Literal["torch", "triton"] = "torch"  # the attention backend (attention/selector.py)
+    rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
+    linear: Literal["torch", "skinny_gemm"] = "torch"  # skinny_gemm: small products may take kernels/skinny_gemm
+    sampler: Literal["torch", "triton_race"] = "torch"  # triton_race: plain races in kernels/race_sampling
+    compile: bool = False  # torch.compile the element-wise functions (layers/compile.py)
+    # Not a kernel: host <-> device copies stage through pinned memory, asynchronously (a CUDA device).
+    pin_memory: bool = False
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"attention {self.attention}, rotary {self.rotary}, linear {self.linear}, sampler {self.sampler}, "
+            f"compile {'on' if self.compile else 'off'}"
+        )
+
+
+TORCH_KERNELS = KernelChoices()
+_building = TORCH_KERNELS  # the choices of the model being built
+
+
+@contextmanager
+def building_with_kernels(choices: KernelChoices) -> Iterator[None]:
+    """Layers created inside this block run the kernels `choices` names."""
+    global _building
+    previous, _building = _building, choices
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def kernel_choices() -> KernelChoices:
+    """The choices of the model being built (plain torch outside `building_with_kernels`)."""
+    return _building

@@ -1,0 +1,72 @@
+"""How a linear layer holds and multiplies its weight: the seam for quantized weights. A method creates the layer's
+parameters, takes a checkpoint tensor into one of them (already narrowed to this rank's shard by the layer's
+weight_loader: sharding is the layer's business, the format the method's) and computes y = x W^T (+ bias).
+
+One method now, the unquantized one; which method a layer holds is decided once, from the kernel choices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.kernel_choices import KernelChoices
+
+if TYPE_CHECKING:
+    from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+
+
+def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded.read())
+
+
+class LinearMethod:
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        """Register the layer's parameters: at least `weight`, and `bias` ([out_features], or None)."""
+        raise NotImplementedError
+
+    def load(self, param: torch.Tensor, loaded: CheckpointTensor) -> None:
+        """Copy a checkpoint tensor into `param` (a parameter of the layer, or the view of it that the shard fills)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in_features] -> x W^T + bias, [rows, out_features]."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The weight as the checkpoint has it, in the model's dtype. y = F.linear, or, where the choices allow the
+    skinny GEMM, a product of a few rows of x (a small decode step) by a narrow weight goes to that kernel, where it
+    was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py)."""
+
+    def __init__(self, skinny_gemm: bool = False):
+        self.skinny_gemm = None
+        if skinny_gemm:
+            from pagedllm.kernels import skinny_gemm as kernel  # imports Triton: only where the choices take it
+
+            self.skinny_gemm = kernel
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load(self, param: torch.Tensor, loaded: CheckpointTensor) -> None:
+        copy_weight(param, loaded)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.product(x, layer.weight, bias)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):
+            return self.skinny_gemm.skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
+def linear_method(choices: KernelChoices) -> LinearMethod:
+    """The method a linear layer built under `choices` holds."""
+    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm")

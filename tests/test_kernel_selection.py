@@ -1,0 +1,83 @@
+"""resolve_kernel_choices: today's kernels on CUDA by default, plain torch on CPU and with attention_backend='torch',
+the environment read when resolving. CUDA is a torch.device here: resolving only reads its type (and, for an fp8
+cache, its compute capability, replaced here), so no GPU is needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import kernel_selection
+from pagedllm.attention import selector
+from pagedllm.kernel_selection import resolve_kernel_choices
+from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE")
+TODAYS_CUDA = KernelChoices(
+    attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
+)
+
+
+@pytest.fixture(autouse=True)
+def triton_and_defaults(monkeypatch):
+    """Triton installed, the switches unset."""
+    monkeypatch.setattr(selector, "triton_installed", lambda: True)
+    monkeypatch.setattr(kernel_selection, "triton_installed", lambda: True)
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_cpu_runs_plain_torch():
+    assert resolve_kernel_choices(None, CPU, 64) == TORCH_KERNELS
+    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == TORCH_KERNELS
+
+
+def test_cuda_runs_todays_kernels_by_default():
+    assert resolve_kernel_choices(None, CUDA, 128) == TODAYS_CUDA
+    assert resolve_kernel_choices("triton", CUDA, 64) == TODAYS_CUDA
+
+
+def test_torch_attention_on_cuda_means_plain_torch_everywhere():
+    choices = resolve_kernel_choices("torch", CUDA, 128)
+    assert choices == KernelChoices(pin_memory=True)  # only the copies still stage through pinned memory
+    assert (choices.attention, choices.rotary, choices.linear, choices.sampler) == ("torch",) * 4
+    assert not choices.compile
+
+
+def test_without_triton_cuda_runs_plain_torch(monkeypatch):
+    monkeypatch.setattr(selector, "triton_installed", lambda: False)
+    monkeypatch.setattr(kernel_selection, "triton_installed", lambda: False)
+    assert resolve_kernel_choices(None, CUDA, 128) == KernelChoices(pin_memory=True)
+
+
+def test_a_model_the_attention_kernels_cannot_take_falls_back_in_attention_only(monkeypatch):
+    """As before the choices were one object: the fallback (one warning) is the attention backend's alone."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert resolve_kernel_choices(None, CUDA, 128, "fp8") == KernelChoices(
+        attention="torch", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
+    )
+    assert resolve_kernel_choices(None, CUDA, 100).attention == "torch"  # head_dim no multiple of 8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kernel_choices(None, CUDA, 128, "fp8") == TODAYS_CUDA
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "off"),
+    [("PAGEDLLM_SKINNY_GEMM", "linear", "torch"), ("PAGEDLLM_FUSED_SAMPLER", "sampler", "torch"),
+     ("PAGEDLLM_COMPILE", "compile", False)],
+)  # fmt: skip
+def test_each_switch_is_read_when_resolving(monkeypatch, name, field, off):
+    monkeypatch.setenv(name, "0")  # after every import
+    choices = resolve_kernel_choices(None, CUDA, 128)
+    assert getattr(choices, field) == off
+    assert choices.attention == choices.rotary == "triton"
+    monkeypatch.setenv(name, "1")
+    assert resolve_kernel_choices(None, CUDA, 128) == TODAYS_CUDA
+    assert resolve_kernel_choices(None, CPU, 128) == TORCH_KERNELS  # the switches only turn CUDA kernels off
+
+
+def test_the_start_up_line_names_every_choice():
+    line = TODAYS_CUDA.describe()
+    assert line == "attention triton, rotary triton, linear skinny_gemm, sampler triton_race, compile on"
+    assert TORCH_KERNELS.describe() == "attention torch, rotary torch, linear torch, sampler torch, compile off"
