@@ -6,8 +6,9 @@ divergence; (2) over the float32 run's outputs, teacher-forced (prompt + output 
 engine's model and cache), the mean absolute difference of the chosen tokens' logprobs between the two caches, and
 for scale the same for the whole model in bfloat16 (the usual GPU precision) with a bf16 cache; (3) the error of
 each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
-GPU (--gpu-tiny): the tiny checkpoints of tests/conftest.py in bf16, bf16 and fp8 caches: each generated token is
-scored by one float32 transformers forward over prompt + output (gap = best logit - chosen logit).
+GPU (--gpu-tiny): tiny checkpoints (tests/conftest.py's, and one whose layers take 128 x 128 blocks) in bf16 with bf16
+and fp8 caches, and with fp8 weights (row and block scaling): each generated token is scored by one float32
+transformers forward over prompt + output (gap = best logit - chosen logit).
 
 Run: python benchmarks/fp8_accuracy.py [--threads N] [--num-prompts 32] [--new-tokens 64] [--gpu-tiny]
 Writes $OUT/fp8_accuracy.json when OUT is set.
@@ -205,24 +206,54 @@ def print_schemes(schemes: dict[str, dict[str, float]]) -> None:
               f"{row['K flushed to 0']:.2%} / {row['V flushed to 0']:.2%} |")  # fmt: skip
 
 
+# (label, LLM keywords, PAGEDLLM_FP8_SCALING) of each GPU run; the checkpoints' weights are float32 as written
+GPU_RUNS = [
+    ("bf16 model, bf16 cache", {}, None),
+    ("bf16 model, fp8 cache", {"kv_cache_dtype": "fp8"}, None),
+    ("fp8 weights (rows), bf16 cache", {"quantization": "fp8"}, "rows"),
+    ("fp8 weights (128x128 blocks), bf16 cache", {"quantization": "fp8"}, "blocks"),
+]
+# The tiny checkpoints of tests/conftest.py, and one whose layers all take 128 x 128 blocks (in_features 128, 256)
+GPU_CHECKPOINTS = {
+    "llama_gqa_untied": None,
+    "qwen3": None,
+    "llama_h128": ("llama", dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2, head_dim=32)),
+}
+
+
+def write_checkpoint(directory: str, name: str) -> None:
+    from conftest import TINY_MODELS, write_tiny_model
+
+    if GPU_CHECKPOINTS[name] is not None:
+        TINY_MODELS[name] = GPU_CHECKPOINTS[name]
+    write_tiny_model(directory, name)
+
+
 def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
-    """Gap distribution of each generated token under a float32 transformers forward, bf16 vs fp8 caches."""
+    """Gap distribution of each generated token under a float32 transformers forward: bf16 against fp8 caches and
+    fp8 weights (row and block scaling; blocks only where every in_features divides by 128)."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import VOCAB_SIZE, write_tiny_model
+    from conftest import VOCAB_SIZE
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference in float32
     rng = random.Random(0)
     prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in (1, 7, 16, 33, 100, 250, 400, 513)]
     result = {}
-    for name in ("llama_gqa_untied", "qwen3"):
+    for name in GPU_CHECKPOINTS:
         directory = tempfile.mkdtemp(prefix=f"pagedllm-{name}-")
-        write_tiny_model(directory, name)
+        write_checkpoint(directory, name)
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
-        for cache in ("auto", "fp8"):
-            llm = LLM(directory, dtype="bfloat16", kv_cache_dtype=cache, num_kv_blocks=1024, max_num_seqs=16)
+        for label, keywords, scaling in GPU_RUNS:
+            if scaling == "blocks" and name != "llama_h128":
+                continue
+            os.environ.pop("PAGEDLLM_FP8_SCALING", None)
+            if scaling is not None:
+                os.environ["PAGEDLLM_FP8_SCALING"] = scaling
+            llm = LLM(directory, dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=16, **keywords)
             gaps = []
             for prompt, output in zip(prompts, generate(llm, prompts, 16)):
                 with torch.no_grad():
@@ -230,16 +261,16 @@ def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
                 rows = logits[len(prompt) - 1 : -1]
                 gaps.append(rows.max(-1).values - rows[torch.arange(len(output)), torch.tensor(output)])
             gaps = torch.cat(gaps).cpu()
-            label = f"{name}, bf16 model, {'bf16' if cache == 'auto' else 'fp8'} cache"
-            result[label] = {
+            result[f"{name}, {label}"] = {
                 "tokens": gaps.numel(),
                 "share_gap_0": (gaps == 0).float().mean().item(),
                 **{f"p{q}": gaps.quantile(q / 100).item() for q in (50, 90, 99)},
                 "max": gaps.max().item(),
             }
+            llm.shutdown()
             del llm
             torch.cuda.empty_cache()
-    print("\n| checkpoint, cache | tokens | gap 0 | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
+    print("\n| checkpoint, run | tokens | gap 0 | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
     for label, row in result.items():
         print(f"| {label} | {row['tokens']} | {row['share_gap_0']:.1%} | {row['p50']:.4f} | {row['p90']:.4f} | "
               f"{row['p99']:.4f} | {row['max']:.4f} |")  # fmt: skip

@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
+QUANTIZATIONS = ("fp8",)  # the linear layers' weight formats (layers/quantization/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class EngineConfig:
     trace_file: str | os.PathLike | None = None
     trace_kv_every: int | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -263,6 +265,14 @@ FIELD_RULES: dict[str, Rule] = {
         (str,),
         f"one of {KV_CACHE_DTYPES}",
         lambda value: value in KV_CACHE_DTYPES,
+    ),
+    "quantization": Rule(
+        "the linear layers' weights: fp8, float8 e4m3 with scales on GPUs of compute capability 9.0+ (a 16-bit "
+        "checkpoint quantized at load); None, the checkpoint's: fp8 for an FP8 checkpoint where the GPU runs it, "
+        "else 16-bit (an FP8 checkpoint dequantized)",
+        (str, NONE),
+        f"None or one of {QUANTIZATIONS}",
+        lambda value: value is None or value in QUANTIZATIONS,
     ),
 }
 

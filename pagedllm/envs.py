@@ -25,6 +25,13 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected one of {TRUE_WORDS + FALSE_WORDS}")
 
 
+def parse_choice(text: str, choices: tuple[str, ...]) -> str:
+    word = text.strip().lower()
+    if word not in choices:
+        raise ValueError(f"expected one of {choices}")
+    return word
+
+
 @dataclass(frozen=True, slots=True)
 class EnvVar(Generic[T]):
     """One variable. Unset or empty: `default`; anything else is parsed, and a value that does not parse is a
@@ -61,6 +68,11 @@ COMPILE = EnvVar(
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
     "torch.compile (layers/compile.py); 0: eager.",
 )  # fmt: skip
+FP8_SCALING = EnvVar(
+    "PAGEDLLM_FP8_SCALING", lambda text: parse_choice(text, ("rows", "blocks")), "rows",
+    "With fp8 weights: rows, one scale per output row of a weight and per token of the activations; blocks, one per "
+    "128 x 128 block of a weight and per 128 columns of a token (in_features must divide by 128).",
+)  # fmt: skip
 CACHE_DIR = EnvVar(
     "PAGEDLLM_CACHE_DIR", Path, None,
     "Where converted GGUF checkpoints are cached; unset: ~/.cache/pagedllm.",
@@ -91,6 +103,6 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, COMPILE, CACHE_DIR, API_KEY, LOG_LEVEL,
+    FUSED_SAMPLER, SKINNY_GEMM, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 )  # fmt: skip

@@ -11,19 +11,53 @@ from pagedllm import envs
 from pagedllm.attention.selector import choose_backend, triton_installed
 from pagedllm.layers.kernel_choices import KernelChoices
 
+FP8_WEIGHTS_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm's row and block scaling: Hopper and later
+
+
+def fp8_weights_unsupported_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"fp8 weights need a CUDA GPU, the device is {device.type}"
+    if not triton_installed():
+        return "fp8 weights quantize activations with a Triton kernel, and triton is not installed"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_WEIGHTS_MIN_CAPABILITY:
+        return f"fp8 weights need compute capability 9.0 or newer, this GPU has {capability}"
+    return None
+
+
+def resolve_quantization(
+    quantization: str | None, device: torch.device, checkpoint_fp8: bool, attention_backend: str | None = None
+) -> str | None:
+    """The linear layers' weight format: quantization='fp8' wherever the GPU runs it (a ValueError saying why not,
+    elsewhere); None: an FP8 checkpoint keeps FP8 weights where the GPU runs them, except with
+    attention_backend='torch' (plain torch everywhere), and is dequantized elsewhere. Row or block scaling from
+    PAGEDLLM_FP8_SCALING. FP8 weights quantize activations with a Triton kernel, asked for or not."""
+    reason = fp8_weights_unsupported_reason(device)
+    if quantization == "fp8" and reason is not None:
+        raise ValueError(f"quantization='fp8': {reason}; use quantization=None (16-bit weights)")
+    if quantization == "fp8" or (checkpoint_fp8 and reason is None and attention_backend != "torch"):
+        return f"fp8_{envs.FP8_SCALING.get()}"
+    return None
+
 
 def resolve_kernel_choices(
-    attention_backend: str | None, device: torch.device, head_dim: int, kv_cache_dtype: str = "auto"
+    attention_backend: str | None,
+    device: torch.device,
+    head_dim: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> KernelChoices:
     """On CUDA by default: the Triton attention (or torch, with one warning, for a model its kernels cannot take),
     the Triton rotary kernel, and the skinny GEMM, the fused race sampler and torch.compile unless their variables
     turn them off. Plain torch everywhere on CPU, with attention_backend='torch', or without Triton installed.
-    Reads the environment now: call it once per engine, at start-up."""
+    `quantization`: the weight format resolve_quantization gave. Reads the environment now: call it once per
+    engine, at start-up."""
     attention = choose_backend(attention_backend, device, head_dim, kv_cache_dtype)
     on_cuda = device.type == "cuda"
     if not on_cuda or attention_backend == "torch" or not triton_installed():
-        return KernelChoices(attention=attention, pin_memory=on_cuda)
+        return KernelChoices(attention=attention, pin_memory=on_cuda, quantization=quantization)
     return KernelChoices(
+        quantization=quantization,
         attention=attention,
         rotary="triton",
         linear="skinny_gemm" if envs.SKINNY_GEMM.get() else "torch",

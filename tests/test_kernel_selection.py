@@ -79,5 +79,11 @@ def test_each_switch_is_read_when_resolving(monkeypatch, name, field, off):
 
 def test_the_start_up_line_names_every_choice():
     line = TODAYS_CUDA.describe()
-    assert line == "attention triton, rotary triton, linear skinny_gemm, sampler triton_race, compile on"
-    assert TORCH_KERNELS.describe() == "attention torch, rotary torch, linear torch, sampler torch, compile off"
+    assert (
+        line
+        == "attention triton, rotary triton, linear skinny_gemm, sampler triton_race, compile on, weights unquantized"
+    )
+    assert (
+        TORCH_KERNELS.describe()
+        == "attention torch, rotary torch, linear torch, sampler torch, compile off, weights unquantized"
+    )

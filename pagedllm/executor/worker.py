@@ -34,13 +34,14 @@ from pagedllm.executor.kv_cache import (
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
-from pagedllm.kernel_selection import resolve_kernel_choices
+from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.sampling_batch import array_to_device, build_sampling_batch
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
+from pagedllm.loader.fp8_checkpoint import fp8_format
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
@@ -84,8 +85,10 @@ class Worker:
         self.prefill_token_counts = graph_token_counts(max_tokens)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        checkpoint_fp8 = fp8_format(checkpoint.hf_config) is not None
+        quantization = resolve_quantization(config.quantization, device, checkpoint_fp8, config.attention_backend)
         self.kernels = resolve_kernel_choices(
-            config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype
+            config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype, quantization=quantization
         )  # which kernels the model, the attention backend and the sampler run
         with building_with(tp), building_with_kernels(self.kernels):
             self.model = build_model(self.spec, max_model_len, dtype, device)

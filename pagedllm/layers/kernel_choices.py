@@ -13,15 +13,15 @@ from typing import Literal
 
 @dataclass(frozen=True, slots=True)
 class KernelChoices:
-    """The defaults are plain torch everywhere: what runs on CPU, and on a GPU with attention_backend='torch'.
-
-    Quantized weights will add a field here naming their linear method (layers/linear_method.py)."""
+    """The defaults are plain torch everywhere: what runs on CPU, and on a GPU with attention_backend='torch'."""
 
     attention: Literal["torch", "triton"] = "torch"  # the attention backend (attention/selector.py)
     rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
     linear: Literal["torch", "skinny_gemm"] = "torch"  # skinny_gemm: small products may take kernels/skinny_gemm
     sampler: Literal["torch", "triton_race"] = "torch"  # triton_race: plain races in kernels/race_sampling
     compile: bool = False  # torch.compile the element-wise functions (layers/compile.py)
+    # The linear layers' weights (layers/linear_method.py): None 16-bit; fp8 with scales per row or 128 x 128 block
+    quantization: Literal[None, "fp8_rows", "fp8_blocks"] = None
     # Not a kernel: host <-> device copies stage through pinned memory, asynchronously (a CUDA device).
     pin_memory: bool = False
 
@@ -29,7 +29,7 @@ class KernelChoices:
         """One line for the start-up log."""
         return (
             f"attention {self.attention}, rotary {self.rotary}, linear {self.linear}, sampler {self.sampler}, "
-            f"compile {'on' if self.compile else 'off'}"
+            f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
         )
 
 

@@ -2,7 +2,8 @@
 parameters, takes a checkpoint tensor into one of them (already narrowed to this rank's shard by the layer's
 weight_loader: sharding is the layer's business, the format the method's) and computes y = x W^T (+ bias).
 
-One method now, the unquantized one; which method a layer holds is decided once, from the kernel choices.
+Methods: unquantized, and FP8 on GPUs (layers/quantization/fp8.py); which one a layer holds is decided once, from
+the kernel choices.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class LinearMethod:
         """x [rows, in_features] -> x W^T + bias, [rows, out_features]."""
         raise NotImplementedError
 
+    def finish_loading(self, layer: nn.Module) -> None:
+        """Called once every tensor of the layer is loaded (a quantized method converts the weight here)."""
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """The weight as the checkpoint has it, in the model's dtype. y = F.linear, or, where the choices allow the
@@ -69,4 +73,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
 def linear_method(choices: KernelChoices) -> LinearMethod:
     """The method a linear layer built under `choices` holds."""
+    if choices.quantization is not None:
+        from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
+
+        return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
     return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm")

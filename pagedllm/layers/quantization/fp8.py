@@ -10,6 +10,9 @@ value = fp8 x scale, so dequantize(quantize(w)) is w to within e4m3's 3 mantissa
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from pagedllm.layers.linear_method import UnquantizedLinearMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -61,3 +64,45 @@ def linear_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Te
     scales = scales.t().contiguous().t()
     out = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scales.t(), out_dtype=x.dtype)
     return out if bias is None else out + bias
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else torch.cat([x, x.new_zeros(extra, x.shape[1])])
+
+
+class Fp8LinearMethod(UnquantizedLinearMethod):
+    """FP8 weights, one byte a parameter. The weight loads as the unquantized method loads it (16-bit; an FP8
+    checkpoint's values dequantized by the loader, loader/fp8_checkpoint.py), then `finish_loading` quantizes it:
+    per row, or per 128 x 128 block (which gives back a block-quantized checkpoint's own fp8 values: the largest
+    magnitude of each of its blocks was 448 x its scale). Activations are quantized as they arrive, in one Triton
+    kernel, per token (rows) or per 128 columns of each token (blocks)."""
+
+    ROW_MULTIPLE = 4  # cuBLAS's blockwise fp8 GEMM takes no fewer than 4 rows of activations (M = 1 fails)
+
+    def __init__(self, scaling: str):
+        super().__init__(skinny_gemm=False)
+        assert scaling in ("rows", "blocks"), scaling
+        self.scaling = scaling
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.data
+        if self.scaling == "blocks" and weight.shape[1] % BLOCK:
+            raise ValueError(
+                f"fp8 block scaling needs in_features divisible by {BLOCK} on each rank, this layer has "
+                f"{weight.shape[1]}; use row scaling (PAGEDLLM_FP8_SCALING=rows)"
+            )
+        values, scales = quantize_blocks(weight) if self.scaling == "blocks" else quantize_rows(weight)
+        layer.weight = nn.Parameter(values, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scales, requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagedllm.kernels.fp8_quant import quantize  # Triton: imported only where the method runs
+
+        rows = x.shape[0]
+        if self.scaling == "rows":
+            values, scales = quantize(x)
+        else:
+            values, scales = quantize(pad_rows(x, self.ROW_MULTIPLE), BLOCK)
+        out = torch._scaled_mm(values, layer.weight.t(), scales, layer.weight_scale.t(), out_dtype=x.dtype)[:rows]
+        return out if bias is None else out + bias
