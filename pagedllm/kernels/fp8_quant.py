@@ -1,6 +1,7 @@
 """Activations to fp8 e4m3 in one pass per row: each program reads its row (or its group of GROUP columns) once
 for the largest magnitude and once more to scale and store, so quantization costs one launch instead of the five
-or six element-wise kernels of the torch expression (layers/quantization/fp8.py `quantize_rows`, the reference).
+or six element-wise kernels of the torch expression (layers/quantization/fp8.py `quantize_rows`, the reference,
+which it equals bit for bit on the GPU).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, cols, x_stride, out_stride, scal
         columns = offset + offsets
         values = tl.load(x_ptr + row * x_stride + columns, mask=columns < stop, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, tl.abs(values))
-    scale = tl.maximum(tl.max(largest, axis=0) / FP8_MAX, MIN_SCALE)
+    # IEEE divisions (div_rn), as torch divides: Triton's `/` is an approximate division on the GPU (~1 ulp)
+    scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), FP8_MAX), MIN_SCALE)
     for offset in range(start, stop, BLOCK_SIZE):
         columns = offset + offsets
         values = tl.load(x_ptr + row * x_stride + columns, mask=columns < stop, other=0.0).to(tl.float32)
-        scaled = tl.minimum(tl.maximum(values / scale, -FP8_MAX), FP8_MAX)
+        scaled = tl.minimum(tl.maximum(tl.math.div_rn(values, scale), -FP8_MAX), FP8_MAX)
         tl.store(out_ptr + row * out_stride + columns, scaled.to(out_ptr.dtype.element_ty), mask=columns < stop)
     tl.store(scale_ptr + row * scale_row_stride + group * scale_group_stride, scale)
 

@@ -66,6 +66,14 @@ def linear_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Te
     return out if bias is None else out + bias
 
 
+def pad_columns(scales: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The same [rows, cols] values, laid out with rows a multiple of `multiple` elements apart (a view)."""
+    rows, cols = scales.shape
+    padded = scales.new_zeros(rows, -(-cols // multiple) * multiple)
+    padded[:, :cols] = scales
+    return padded[:, :cols]
+
+
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     extra = -x.shape[0] % multiple
     return x if extra == 0 else torch.cat([x, x.new_zeros(extra, x.shape[1])])
@@ -79,6 +87,8 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     kernel, per token (rows) or per 128 columns of each token (blocks)."""
 
     ROW_MULTIPLE = 4  # cuBLAS's blockwise fp8 GEMM takes no fewer than 4 rows of activations (M = 1 fails)
+    # and reads the weight's block scales with a leading dimension that is a multiple of 4 blocks (K / 128)
+    SCALE_COLUMN_MULTIPLE = 4
 
     def __init__(self, scaling: str):
         super().__init__(skinny_gemm=False)
@@ -92,7 +102,11 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
                 f"fp8 block scaling needs in_features divisible by {BLOCK} on each rank, this layer has "
                 f"{weight.shape[1]}; use row scaling (PAGEDLLM_FP8_SCALING=rows)"
             )
-        values, scales = quantize_blocks(weight) if self.scaling == "blocks" else quantize_rows(weight)
+        if self.scaling == "blocks":
+            values, scales = quantize_blocks(weight)
+            scales = pad_columns(scales, self.SCALE_COLUMN_MULTIPLE)
+        else:
+            values, scales = quantize_rows(weight)
         layer.weight = nn.Parameter(values, requires_grad=False)
         layer.weight_scale = nn.Parameter(scales, requires_grad=False)
 
