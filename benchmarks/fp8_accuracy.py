@@ -6,8 +6,8 @@ divergence; (2) over the float32 run's outputs, teacher-forced (prompt + output 
 engine's model and cache), the mean absolute difference of the chosen tokens' logprobs between the two caches, and
 for scale the same for the whole model in bfloat16 (the usual GPU precision) with a bf16 cache; (3) the error of
 each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
-GPU (--gpu-tiny): tiny checkpoints (tests/conftest.py's, and one whose layers take 128 x 128 blocks) in bf16 with bf16
-and fp8 caches, and with fp8 weights (row and block scaling): each generated token is scored by one float32
+GPU (--gpu-tiny): tiny checkpoints (tests/conftest.py's, a 128-wide one, and one whose layers take 128 x 128
+blocks, in_features divisible by 512) in bf16 with bf16 and fp8 caches, and with fp8 weights (row and block scaling): each generated token is scored by one float32
 transformers forward over prompt + output (gap = best logit - chosen logit).
 
 Run: python benchmarks/fp8_accuracy.py [--threads N] [--num-prompts 32] [--new-tokens 64] [--gpu-tiny]
@@ -218,6 +218,7 @@ GPU_CHECKPOINTS = {
     "llama_gqa_untied": None,
     "qwen3": None,
     "llama_h128": ("llama", dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2, head_dim=32)),
+    "llama_h512": ("llama", dict(hidden_size=512, intermediate_size=1024, num_key_value_heads=2)),
 }
 
 
@@ -248,7 +249,7 @@ def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
         write_checkpoint(directory, name)
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
         for label, keywords, scaling in GPU_RUNS:
-            if scaling == "blocks" and name != "llama_h128":
+            if scaling == "blocks" and name != "llama_h512":
                 continue
             os.environ.pop("PAGEDLLM_FP8_SCALING", None)
             if scaling is not None:

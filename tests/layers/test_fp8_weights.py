@@ -73,12 +73,14 @@ def test_the_method_quantizes_the_loaded_weight_per_row():
 
 
 def test_the_method_quantizes_the_loaded_weight_per_block():
-    layer, weight = loaded_layer("blocks", in_features=256, out_features=200)  # a ragged last row block
-    assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (2, 2)
+    layer, weight = loaded_layer("blocks", in_features=1024, out_features=208)  # a ragged last row block
+    assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (2, 8)
     error = (dequantize_blocks(layer.weight, layer.weight_scale) - weight).norm() / weight.norm()
     assert error < 0.04
 
 
-def test_block_scaling_refuses_in_features_that_do_not_divide_by_128():
-    with pytest.raises(ValueError, match="in_features divisible by 128 on each rank, this layer has 96"):
-        loaded_layer("blocks", in_features=96)
+def test_shapes_the_fp8_product_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="in_features divisible by 512 on each rank, this layer has 256"):
+        loaded_layer("blocks", in_features=256)
+    with pytest.raises(ValueError, match="divisible by 16 on each rank, this layer has 200 x 80"):
+        loaded_layer("rows", in_features=200)

@@ -66,14 +66,6 @@ def linear_blocks(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Te
     return out if bias is None else out + bias
 
 
-def pad_columns(scales: torch.Tensor, multiple: int) -> torch.Tensor:
-    """The same [rows, cols] values, laid out with rows a multiple of `multiple` elements apart (a view)."""
-    rows, cols = scales.shape
-    padded = scales.new_zeros(rows, -(-cols // multiple) * multiple)
-    padded[:, :cols] = scales
-    return padded[:, :cols]
-
-
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     extra = -x.shape[0] % multiple
     return x if extra == 0 else torch.cat([x, x.new_zeros(extra, x.shape[1])])
@@ -86,8 +78,10 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     magnitude of each of its blocks was 448 x its scale). Activations are quantized as they arrive, in one Triton
     kernel, per token (rows) or per 128 columns of each token (blocks)."""
 
+    FEATURE_MULTIPLE = 16  # torch._scaled_mm's shapes
     ROW_MULTIPLE = 4  # cuBLAS's blockwise fp8 GEMM takes no fewer than 4 rows of activations (M = 1 fails)
-    # and reads the weight's block scales with a leading dimension that is a multiple of 4 blocks (K / 128)
+    # and reads the weight's block scales with a leading dimension of a multiple of 4 blocks, where torch 2.11
+    # hands them over contiguous (K / 128 = 1 or 2 gave garbage on the H200): K / 128 must be a multiple of 4
     SCALE_COLUMN_MULTIPLE = 4
 
     def __init__(self, scaling: str):
@@ -97,16 +91,18 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
 
     def finish_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
-        if self.scaling == "blocks" and weight.shape[1] % BLOCK:
+        out_features, in_features = weight.shape
+        if out_features % self.FEATURE_MULTIPLE or in_features % self.FEATURE_MULTIPLE:
             raise ValueError(
-                f"fp8 block scaling needs in_features divisible by {BLOCK} on each rank, this layer has "
-                f"{weight.shape[1]}; use row scaling (PAGEDLLM_FP8_SCALING=rows)"
+                f"fp8 weights need in_features and out_features divisible by {self.FEATURE_MULTIPLE} on each rank, "
+                f"this layer has {in_features} x {out_features}; use quantization=None"
             )
-        if self.scaling == "blocks":
-            values, scales = quantize_blocks(weight)
-            scales = pad_columns(scales, self.SCALE_COLUMN_MULTIPLE)
-        else:
-            values, scales = quantize_rows(weight)
+        if self.scaling == "blocks" and in_features % (BLOCK * self.SCALE_COLUMN_MULTIPLE):
+            raise ValueError(
+                f"fp8 block scaling needs in_features divisible by {BLOCK * self.SCALE_COLUMN_MULTIPLE} on each rank, "
+                f"this layer has {in_features}; use row scaling (PAGEDLLM_FP8_SCALING=rows)"
+            )
+        values, scales = quantize_blocks(weight) if self.scaling == "blocks" else quantize_rows(weight)
         layer.weight = nn.Parameter(values, requires_grad=False)
         layer.weight_scale = nn.Parameter(scales, requires_grad=False)
 
