@@ -7,8 +7,9 @@ engine's model and cache), the mean absolute difference of the chosen tokens' lo
 for scale the same for the whole model in bfloat16 (the usual GPU precision) with a bf16 cache; (3) the error of
 each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
 GPU (--gpu-tiny): tiny checkpoints (tests/conftest.py's, a 128-wide one, and one whose layers take 128 x 128
-blocks, in_features divisible by 512) in bf16 with bf16 and fp8 caches, and with fp8 weights (row and block scaling): each generated token is scored by one float32
-transformers forward over prompt + output (gap = best logit - chosen logit).
+blocks, in_features divisible by 512) in bf16 with bf16 and fp8 caches, and with fp8 weights (row and block
+scaling): each generated token is scored by one float32 transformers forward over prompt + output (gap = best
+logit - chosen logit).
 
 Run: python benchmarks/fp8_accuracy.py [--threads N] [--num-prompts 32] [--new-tokens 64] [--gpu-tiny]
 Writes $OUT/fp8_accuracy.json when OUT is set.
