@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pagedllm.entrypoints.bench import measure_ceilings
 from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.kernels.skinny_gemm import skinny_linear
-from pagedllm.layers.linear_method import linear_method
+from pagedllm.layers.linear import linear_method
 
 # (layers, [(N, K) of qkv, o, gate_up, down])
 SHAPES = {

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.layers.kernel_choices import kernel_choices
-from pagedllm.layers.linear_method import linear_method
+from pagedllm.layers.kernel_choices import KernelChoices, kernel_choices
+from pagedllm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedllm.layers.parallel_state import divide, kv_heads_per_rank, tp_group
+from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
 
 if TYPE_CHECKING:
     from pagedllm.loader.checkpoint_tensor import CheckpointTensor
@@ -27,6 +28,13 @@ def check_full_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> Non
     (narrowing first would hide a tensor that is too large, and fail with a raw error on one too small)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the config implies {tuple(expected)}")
+
+
+def linear_method(choices: KernelChoices) -> LinearMethod:
+    """The method a linear layer built under `choices` holds."""
+    if choices.quantization is not None:
+        return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
+    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm")
 
 
 class LinearBase(nn.Module):

@@ -3,7 +3,7 @@ parameters, takes a checkpoint tensor into one of them (already narrowed to this
 weight_loader: sharding is the layer's business, the format the method's) and computes y = x W^T (+ bias).
 
 Methods: unquantized, and FP8 on GPUs (layers/quantization/fp8.py); which one a layer holds is decided once, from
-the kernel choices.
+the kernel choices (`linear_method` in layers/linear.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from pagedllm.layers.kernel_choices import KernelChoices
 
 if TYPE_CHECKING:
     from pagedllm.loader.checkpoint_tensor import CheckpointTensor
@@ -69,12 +67,3 @@ class UnquantizedLinearMethod(LinearMethod):
         if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):
             return self.skinny_gemm.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-
-
-def linear_method(choices: KernelChoices) -> LinearMethod:
-    """The method a linear layer built under `choices` holds."""
-    if choices.quantization is not None:
-        from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
-
-        return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
-    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm")

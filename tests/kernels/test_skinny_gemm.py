@@ -18,7 +18,7 @@ from interpreter_child import interpreter_results
 
 from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.kernels.skinny_gemm import choose_split_k
-from pagedllm.layers.linear_method import linear_method
+from pagedllm.layers.linear import linear_method
 
 # (rows, N, K, split_k, bias): None takes the kernel's own split choice
 CASES = [
