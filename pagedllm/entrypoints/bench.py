@@ -40,6 +40,14 @@ SHAPES = {
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192), rope_theta=500000.0,
     ),
+    # The 8B class users serve on an H200, where fp8 weights pay (benchmarks/NOTES.md, "FP8 weights"): 16 GB of bf16
+    "llama3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192), rope_theta=500000.0,
+    ),
 }  # fmt: skip
 
 
