@@ -83,7 +83,7 @@ class LLMEngine:
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
         # Under torchrun, on ranks other than 0 this serves rank 0 and exits the process.
-        self.worker = make_executor(config, self.spec, self.max_model_len, resolved.device, resolved.dtype, checkpoint)
+        self.worker = make_executor(resolved, self.spec, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig
+from pagedllm.config import ResolvedConfig
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
     STOP_TIMEOUT_S,
@@ -27,6 +27,7 @@ from pagedllm.executor.ranks import (
     launched_by_torchrun,
     rank_device,
     serve_plans,
+    share_resolved_config,
 )
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
@@ -36,19 +37,12 @@ from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 
 
-def make_executor(
-    config: EngineConfig,
-    spec: DecoderSpec,
-    max_model_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    checkpoint: Checkpoint,
-) -> Worker | DistributedExecutor:
+def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Worker | DistributedExecutor:
     """A Worker for one rank; for several, checks that they can work before any process starts."""
-    if config.tensor_parallel_size == 1:
-        return Worker(config, max_model_len, device, dtype, checkpoint)
-    check_tensor_parallel(config, spec, device)
-    return DistributedExecutor(config, max_model_len, device, dtype, checkpoint)
+    if resolved.config.tensor_parallel_size == 1:
+        return Worker(resolved, checkpoint)
+    check_tensor_parallel(resolved.config, spec, resolved.device)
+    return DistributedExecutor(resolved, checkpoint)
 
 
 @dataclass(slots=True)
@@ -59,37 +53,37 @@ class GroupState:
 
 
 class DistributedExecutor:
-    def __init__(
-        self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype, checkpoint: Checkpoint
-    ):
+    def __init__(self, resolved: ResolvedConfig, checkpoint: Checkpoint):
         """Start the other ranks (or join them, under torchrun) and load rank 0's shard.
 
         Under torchrun, in the processes of ranks other than 0 this serves rank 0 and then exits the process
         (SystemExit(0)): code after LLM(...) runs on rank 0 only.
         """
-        size = config.tensor_parallel_size
+        size = resolved.config.tensor_parallel_size
         self.state = GroupState()
         self.ranks: SpawnedRanks | None = None
         if launched_by_torchrun():
             rank = envs.RANK.get()
-            device = rank_device(device, envs.LOCAL_RANK.get())
+            device = rank_device(resolved.device, envs.LOCAL_RANK.get())
             self.tp = join_group(rank, size, device, store=None)
+            resolved = share_resolved_config(resolved, self.tp)
             if rank != 0:
-                serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, self.tp))
+                serve_plans(Worker(resolved, checkpoint, self.tp, device))
                 raise SystemExit(0)
         else:
+            device = resolved.device
             if device.type == "cpu":  # CPU ranks share this host's cores: each gets 1/size of this process's threads
                 self.state.threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, self.state.threads_before // size))
             device = rank_device(device, 0)
             try:
-                self.ranks = SpawnedRanks(config, max_model_len, device, dtype, torch.get_num_threads())
+                self.ranks = SpawnedRanks(resolved, device, torch.get_num_threads())
                 self.ranks.wait_until_joining()
                 self.tp = join_group(0, size, device, self.ranks.store)
             except BaseException as error:
                 self.fail(error)
         try:
-            self.worker = Worker(config, max_model_len, device, dtype, checkpoint, self.tp)
+            self.worker = Worker(resolved, checkpoint, self.tp, device)
             self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)

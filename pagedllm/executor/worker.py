@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.selector import create_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import ResolvedConfig
 from pagedllm.executor.cuda_graphs import (
     DecodeGraphs,
     PrefillGraphs,
@@ -34,7 +34,6 @@ from pagedllm.executor.kv_cache import (
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
-from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
@@ -58,18 +57,20 @@ WARMUP_PROMPT_LOGPROBS = 20
 class Worker:
     def __init__(
         self,
-        config: EngineConfig,
-        max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        resolved: ResolvedConfig,
         checkpoint: Checkpoint | None = None,
         tp: TensorParallelGroup = SINGLE_RANK,
+        device: torch.device | None = None,
     ):
-        """checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it), else opened here.
-        tp: this worker's rank and group; the model holds that rank's shard."""
+        """resolved: the engine's settings and kernel choices, resolved once on rank 0; every rank runs them.
+        checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it), else opened here.
+        tp: this worker's rank and group; the model holds that rank's shard. device: this rank's (resolved.device if
+        None)."""
         # An engine dropped without shutdown() sits in reference cycles, holding its weights and KV cache until a full
         # collection: free them before this one loads weights and sizes its cache from the memory left.
         gc.collect()
+        config, max_model_len, dtype = resolved.config, resolved.max_model_len, resolved.dtype
+        device = device or resolved.device
         checkpoint = checkpoint or open_checkpoint(config.model, load_tokenizer=False, convert_gguf=False)
         self.config, self.device, self.dtype, self.tp = config, device, dtype, tp
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
@@ -84,9 +85,7 @@ class Worker:
         self.prefill_token_counts = graph_token_counts(max_tokens)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.kernels = resolve_kernel_choices(
-            config.attention_backend, device, self.spec.head_dim, config.kv_cache_dtype
-        )  # which kernels the model, the attention backend and the sampler run
+        self.kernels = resolved.kernels  # which kernels the model, the attention backend and the sampler run
         with building_with(tp), building_with_kernels(self.kernels):
             self.model = build_model(self.spec, max_model_len, dtype, device)
         load_weights(self.model, checkpoint.named_tensors(dtype), checkpoint.source)
