@@ -15,7 +15,7 @@ from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.ranks import is_rank_zero
-from pagedllm.executor.worker import collect_start_up_garbage
+from pagedllm.executor.start_up import collect_start_up_garbage
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput

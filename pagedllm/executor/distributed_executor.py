@@ -29,6 +29,7 @@ from pagedllm.executor.ranks import (
     serve_plans,
     share_resolved_config,
 )
+from pagedllm.executor.start_up import start_worker
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.executor.worker import Worker
@@ -40,7 +41,7 @@ from pagedllm.models.spec import DecoderSpec
 def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Worker | DistributedExecutor:
     """A Worker for one rank; for several, checks that they can work before any process starts."""
     if resolved.config.tensor_parallel_size == 1:
-        return Worker(resolved, checkpoint)
+        return start_worker(resolved, checkpoint)
     check_tensor_parallel(resolved.config, spec, resolved.device)
     return DistributedExecutor(resolved, checkpoint)
 
@@ -68,7 +69,7 @@ class DistributedExecutor:
             self.tp = join_group(rank, size, device, store=None)
             resolved = share_resolved_config(resolved, self.tp)
             if rank != 0:
-                serve_plans(Worker(resolved, checkpoint, self.tp, device))
+                serve_plans(start_worker(resolved, checkpoint, self.tp, device))
                 raise SystemExit(0)
         else:
             device = resolved.device
@@ -83,7 +84,7 @@ class DistributedExecutor:
             except BaseException as error:
                 self.fail(error)
         try:
-            self.worker = Worker(resolved, checkpoint, self.tp, device)
+            self.worker = start_worker(resolved, checkpoint, self.tp, device)
             self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)

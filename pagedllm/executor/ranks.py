@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 from pagedllm import envs
 from pagedllm.config import EngineConfig, ResolvedConfig
 from pagedllm.executor.plan_broadcast import receive_plan
-from pagedllm.executor.worker import Worker, collect_start_up_garbage
+from pagedllm.executor.start_up import collect_start_up_garbage, start_worker
+from pagedllm.executor.worker import Worker
 from pagedllm.layers.parallel_state import TensorParallelGroup
 from pagedllm.models.registry import check_tensor_parallel_size
 from pagedllm.models.spec import DecoderSpec
@@ -130,7 +131,7 @@ def run_spawned_rank(
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     try:
         store.set(joining_key(rank), "1")
-        serve_plans(Worker(resolved, tp=join_group(rank, size, device, store), device=device))
+        serve_plans(start_worker(resolved, tp=join_group(rank, size, device, store), device=device))
     except BaseException:
         try:
             store.set(error_key(rank), traceback.format_exc())
