@@ -1,6 +1,6 @@
-"""DistributedExecutor: rank 0's side of tensor parallelism, with a Worker's surface (execute,
-num_kv_blocks), so the engine drives it exactly like a Worker. Each plan goes to the other ranks first, then rank 0
-runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
+"""DistributedExecutor: rank 0's side of tensor parallelism, an Executor (executor/executor.py) as a Worker is, so
+the engine drives it exactly like a Worker; rank 0's own Worker is its `worker`. Each plan goes to the other ranks
+first, then rank 0 runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
 
 Lifecycle: shutdown(), garbage collection and interpreter exit end every rank. A rank that fails ends the group: the
 step raises a RuntimeError naming the rank and its error, and every later step raises too.
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pagedllm import envs
 from pagedllm.config import ResolvedConfig
+from pagedllm.executor.executor import Executor
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
     STOP_TIMEOUT_S,
@@ -38,7 +39,7 @@ from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 
 
-def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Worker | DistributedExecutor:
+def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Executor:
     """A Worker for one rank; for several, checks that they can work before any process starts."""
     if resolved.config.tensor_parallel_size == 1:
         return start_worker(resolved, checkpoint)
@@ -88,6 +89,7 @@ class DistributedExecutor:
             self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)
+        self.device, self.num_kv_blocks = self.worker.device, self.worker.num_kv_blocks
         self.sender = PlanSender(self.tp.host_group)
         self.finalizer = weakref.finalize(self, end_group, self.worker, self.sender, self.ranks, self.state)
         logger.info(
@@ -95,34 +97,8 @@ class DistributedExecutor:
             ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
         )  # fmt: skip
 
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.worker.num_kv_blocks
-
-    @property
-    def record_events(self) -> bool:
-        return self.worker.record_events
-
-    @record_events.setter
-    def record_events(self, value: bool) -> None:
-        self.worker.record_events = value
-
-    @property
-    def model(self):
-        """Rank 0's shard of the model (its compute_logits returns the gathered logits)."""
-        return self.worker.model
-
-    @property
-    def backend(self):
-        return self.worker.backend
-
-    @property
-    def graphs(self):
-        return self.worker.graphs
+    def set_device_timings(self, on: bool) -> None:
+        self.worker.set_device_timings(on)  # rank 0's steps carry the events: the others' are not read
 
     def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
         if self.state.ended:

@@ -35,8 +35,8 @@ PROMPT_LOGPROB_CHUNK = 256
 
 
 class Worker:
-    """Built, and started in named phases (loaded, warmed up, its KV cache sized and bound, graphs captured, primed
-    for the first request), by executor/start_up.start_worker."""
+    """One rank's Executor (executor/executor.py). Built, and started in named phases (loaded, warmed up, its KV
+    cache sized and bound, graphs captured, primed for the first request), by executor/start_up.start_worker."""
 
     def __init__(self, resolved: ResolvedConfig, spec: DecoderSpec, tp: TensorParallelGroup, device: torch.device):
         """resolved: the engine's settings and kernel choices; spec: the checkpoint's model; tp: this worker's rank
@@ -148,6 +148,9 @@ class Worker:
                 logprobs = logits.float().log_softmax(dim=-1)
                 chunks.append(compute_logprobs(logprobs, next_token_ids[chunk], sampling.num_prompt_logprobs))
         return LogprobsTensors.concat(chunks) if chunks else None
+
+    def set_device_timings(self, on: bool) -> None:
+        self.record_events = on
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once)."""
