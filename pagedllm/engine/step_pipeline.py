@@ -141,7 +141,7 @@ class StepPipeline:
         step_id = next(self.step_ids)
         planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.last_sampling)
         planned_at = time.perf_counter()
-        sampling = planned.plan.sampling  # kept here: the worker may pad the plan
+        sampling = planned.plan.sampling  # the one part of the plan the launched step keeps
         output = self.worker.execute(planned.plan, previous.output if previous is not None else None)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
         record = StepRecord(
