@@ -1,5 +1,5 @@
 """The engine's own host work per step (scheduler, block manager, plan building, output handling), with the device
-taken out: the worker is replaced by one that answers every plan at once with random tokens. On a GPU this host
+taken out: the engine is built with an executor that answers every plan at once with random tokens. On a GPU this host
 work overlaps the device's step (async scheduling); where the device step is shorter, the host sets the pace.
 
     python benchmarks/host_step_cost.py [--num-seqs 256] [--output-len 256] [--profile]
@@ -21,16 +21,20 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine import LLMEngine
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.loader.checkpoint import open_checkpoint
 
 
-class InstantWorker:
-    """Answers each plan with random token ids, on the host, at once."""
+class InstantExecutor:
+    """An Executor (pagedllm/executor/executor.py) with no model: answers each plan with random token ids, on the
+    host, at once."""
 
-    def __init__(self, worker, max_model_len: int, block_size: int, vocab_size: int):
-        self.worker = worker  # the real one keeps the KV block count and shuts down
+    def __init__(self, num_kv_blocks: int, vocab_size: int):
+        self.device, self.num_kv_blocks = torch.device("cpu"), num_kv_blocks
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(0)
 
@@ -38,8 +42,11 @@ class InstantWorker:
         tokens = torch.randint(1, self.vocab_size, (plan.num_sampled,), generator=self.generator)
         return StepOutput(plan.step_id, SamplerOutput(tokens) if plan.num_sampled else None)
 
-    def __getattr__(self, name):
-        return getattr(self.worker, name)
+    def set_device_timings(self, on: bool) -> None:
+        """No device: nothing to time."""
+
+    def shutdown(self) -> None:
+        """Holds nothing."""
 
 
 def main() -> None:
@@ -54,8 +61,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     num_kv_blocks = args.num_seqs * (args.prompt_len + args.output_len) // 16 + args.num_seqs
+    settings = dict(max_model_len=args.max_model_len, num_kv_blocks=num_kv_blocks, async_scheduling=True)
     if args.with_tokenizer:
-        llm = LLM(max_model_len=args.max_model_len, num_kv_blocks=num_kv_blocks, async_scheduling=True)
+        vocab_size = open_checkpoint(None, load_tokenizer=False, convert_gguf=False).hf_config.vocab_size
+        engine = LLMEngine(EngineConfig(**settings), InstantExecutor(num_kv_blocks, vocab_size))
     else:
         with tempfile.TemporaryDirectory() as directory:
             shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
@@ -63,10 +72,8 @@ def main() -> None:
                 vocab_size=32000, num_key_value_heads=2, max_position_embeddings=args.max_model_len, **shape
             )
             LlamaForCausalLM(config).save_pretrained(directory)
-            llm = LLM(directory, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                      num_kv_blocks=num_kv_blocks, async_scheduling=True)  # fmt: skip
-    engine = llm.llm_engine
-    engine.pipeline.worker = InstantWorker(engine.worker, args.max_model_len, 16, engine.spec.vocab_size)
+            engine_config = EngineConfig(directory, skip_tokenizer_init=True, **settings)
+            engine = LLMEngine(engine_config, InstantExecutor(num_kv_blocks, config.vocab_size))
     params = SamplingParams(temperature=0.6, max_tokens=args.output_len, ignore_eos=True)
     for index in range(args.num_seqs):
         prompt = [(7 * index + position) % 30000 + 1 for position in range(args.prompt_len)]
@@ -91,7 +98,7 @@ def main() -> None:
     phases = {
         "schedule": lambda record: record.batched_at - record.scheduled_at,
         "build the plan": lambda record: record.planned_at - record.batched_at,
-        "execute (instant worker) and record": lambda record: record.launched_at - record.planned_at,
+        "execute (instant executor) and record": lambda record: record.launched_at - record.planned_at,
         "resolve: hand tokens to sequences, stop checks": lambda record: record.resolved_at - record.resolve_started_at,
     }
     for name, phase in phases.items():

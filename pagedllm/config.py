@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
+from pagedllm.layers.kernel_choices import KernelChoices
+
 if TYPE_CHECKING:
     from pagedllm.models.spec import DecoderSpec
 
@@ -80,33 +83,43 @@ class EngineConfig:
             raise TypeError(f"unknown LLM argument(s) {unknown}; accepted: {', '.join(sorted(accepted))}")
         return cls(model=model, **kwargs)
 
-    def resolve(self, spec: DecoderSpec, checkpoint_dtype: torch.dtype | str | None) -> ResolvedConfig:
-        """Every default made concrete, once, for this machine and this checkpoint (its DecoderSpec and the dtype its
-        weights are stored in); a ValueError when max_model_len is past the model's limit."""
+    def resolve(
+        self, spec: DecoderSpec, checkpoint_dtype: torch.dtype | str | None, checkpoint_fp8: bool = False
+    ) -> ResolvedConfig:
+        """Every default made concrete, and the kernels chosen, once, for this machine and this checkpoint (its
+        DecoderSpec, the dtype its weights are stored in, whether they are FP8); a ValueError when max_model_len is
+        past the model's limit or fp8 weights cannot run here. Reads the kernel switches of the environment now
+        (pagedllm/envs.py)."""
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
         attention_backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
-        # Each choice that follows from the settings and the machine is made here and nowhere downstream; the
-        # kernel choices (rotary, linear, sampler, compilation) belong here too, as a field of ResolvedConfig.
+        quantization = resolve_quantization(self.quantization, device, checkpoint_fp8, self.attention_backend)
+        kernels = resolve_kernel_choices(
+            attention_backend=attention_backend, device=device, head_dim=spec.head_dim,
+            kv_cache_dtype=self.kv_cache_dtype, quantization=quantization,
+        )  # fmt: skip
         config = replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, async_scheduling=async_scheduling,
             attention_backend=attention_backend,
         )  # fmt: skip
-        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, attention_backend)
+        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, kernels)
 
 
 @dataclass(frozen=True, slots=True)
 class ResolvedConfig:
-    """An EngineConfig with nothing left to decide: what the engine and the executor run with."""
+    """An EngineConfig with nothing left to decide: what the engine and the executor run with. Resolved once, on
+    rank 0 (torchrun: in rank 0's process), and handed to every rank's Worker as it is."""
 
     config: EngineConfig  # the settings, each default replaced by the value below (what the executor's ranks read)
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
     async_scheduling: bool  # overlapped steps: on by default for CUDA
-    attention_backend: str  # the one asked for; the worker falls back to torch for a model the kernels cannot run
+    # Which kernels run. kernels.attention is the backend that runs: config.attention_backend is the one asked for
+    # (or the device's default), and a model the Triton kernels cannot take falls back to torch in attention alone.
+    kernels: KernelChoices
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
-"""Which kernels an engine runs, resolved once at start-up from the attention backend setting, the device, the
-model's head_dim, the KV cache dtype and the environment (pagedllm/envs.py). The worker builds its model (inside
-layers.kernel_choices.building_with_kernels), its attention backend and its sampler with the result, and logs it.
+"""Which kernels an engine runs, resolved once at start-up (by EngineConfig.resolve, into ResolvedConfig.kernels) from
+the attention backend setting, the device, the model's head_dim, the KV cache dtype and the environment
+(pagedllm/envs.py). Every rank's worker builds its model (inside layers.kernel_choices.building_with_kernels), its
+attention backend and its sampler with the result, and logs it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def resolve_kernel_choices(
     """On CUDA by default: the Triton attention (or torch, with one warning, for a model its kernels cannot take),
     the Triton rotary kernel, and the skinny GEMM, the fused race sampler and torch.compile unless their variables
     turn them off. Plain torch everywhere on CPU, with attention_backend='torch', or without Triton installed.
-    `quantization`: the weight format resolve_quantization gave. Reads the environment now: call it once per
-    engine, at start-up."""
+    `quantization`: the weight format resolve_quantization gave. Reads the environment now: called once per engine,
+    by EngineConfig.resolve."""
     attention = choose_backend(attention_backend, device, head_dim, kv_cache_dtype)
     on_cuda = device.type == "cuda"
     if not on_cuda or attention_backend == "torch" or not triton_installed():

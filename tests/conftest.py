@@ -102,9 +102,18 @@ def llama_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama_gqa_untied"]
 
 
+def local_worker(llm):
+    """The Worker in this process: the engine's executor, or under tensor parallelism rank 0's."""
+    from pagedllm.executor.distributed_executor import DistributedExecutor
+
+    executor = llm.llm_engine.worker
+    return executor.worker if isinstance(executor, DistributedExecutor) else executor
+
+
 def capture_logits(llm) -> list[torch.Tensor]:
-    """Record every logits tensor the engine computes (rows = sequences sampled that step)."""
-    model = llm.llm_engine.worker.model
+    """Record every logits tensor the engine computes (rows = sequences sampled that step; rank 0's model under
+    tensor parallelism, whose compute_logits returns the gathered logits)."""
+    model = local_worker(llm).model
     captured = []
     original = model.compute_logits
 

@@ -8,7 +8,11 @@ import pytest
 import torch
 from conftest import TINY_MODELS, make_config
 
+from pagedllm import kernel_selection
+from pagedllm.attention import selector
 from pagedllm.config import EngineConfig
+from pagedllm.kernel_selection import resolve_kernel_choices
+from pagedllm.layers.kernel_choices import TORCH_KERNELS
 from pagedllm.models.spec import DecoderSpec
 
 
@@ -17,14 +21,19 @@ def tiny_spec(name: str = "llama_gqa_untied", **overrides) -> DecoderSpec:
     return DecoderSpec.from_hf_config(make_config(model_type, {**settings, **overrides}))
 
 
+def fake_triton_installed(monkeypatch) -> None:
+    monkeypatch.setattr(selector, "triton_installed", lambda: True)
+    monkeypatch.setattr(kernel_selection, "triton_installed", lambda: True)
+
+
 def test_cpu_defaults():
-    """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, the torch backend."""
+    """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, plain torch kernels."""
     resolved = EngineConfig(device="cpu").resolve(tiny_spec(), torch.bfloat16)
     assert resolved.device == torch.device("cpu")
     assert resolved.dtype == torch.float32
     assert resolved.max_model_len == 1024  # the tiny models' max_position_embeddings
     assert resolved.async_scheduling is False
-    assert resolved.attention_backend == "torch"
+    assert resolved.kernels == TORCH_KERNELS and resolved.config.attention_backend == "torch"
 
 
 def test_auto_device_on_a_machine_without_cuda(monkeypatch):
@@ -43,13 +52,31 @@ def test_auto_device_on_a_machine_without_cuda(monkeypatch):
     ],
 )
 def test_cuda_defaults(monkeypatch, checkpoint_dtype, dtype):
-    """With a CUDA GPU (torch's answers faked: resolve makes no device call): the checkpoint's 16-bit dtype, else
-    bfloat16; overlapped steps; the Triton backend."""
+    """With a CUDA GPU (torch's answers faked: resolve makes no device call) and Triton: the checkpoint's 16-bit
+    dtype, else bfloat16; overlapped steps; the Triton backend, the kernels resolve_kernel_choices picks."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fake_triton_installed(monkeypatch)
     resolved = EngineConfig().resolve(tiny_spec(), checkpoint_dtype)
     assert (resolved.device, resolved.dtype) == (torch.device("cuda"), dtype)
-    assert resolved.async_scheduling is True and resolved.attention_backend == "triton"
+    assert resolved.async_scheduling is True and resolved.config.attention_backend == "triton"
+    assert resolved.kernels == resolve_kernel_choices(
+        attention_backend=None, device=torch.device("cuda"), head_dim=tiny_spec().head_dim
+    )
+    assert resolved.kernels.attention == resolved.kernels.rotary == "triton"
+
+
+def test_the_kernels_are_chosen_for_the_checkpoints_head_dim(monkeypatch):
+    """A head_dim the Triton kernels cannot take (not a multiple of 8): torch attention, the other kernels kept; the
+    asked-for backend stays in the config."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fake_triton_installed(monkeypatch)
+    spec = tiny_spec(head_dim=12)
+    assert spec.head_dim == 12
+    resolved = EngineConfig().resolve(spec, None)
+    assert resolved.kernels.attention == "torch" and resolved.kernels.rotary == "triton"
+    assert resolved.config.attention_backend == "triton"
 
 
 def test_given_values_are_kept():
@@ -62,9 +89,11 @@ def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as
     """What the executor and its ranks read: no default left to derive, every other field unchanged."""
     config = EngineConfig(device="cpu", block_size=8, kv_cache_dtype="fp8")
     resolved = config.resolve(tiny_spec(), None)
-    concrete = {"device", "dtype", "max_model_len", "async_scheduling", "attention_backend"}
+    concrete = {"device", "dtype", "max_model_len", "async_scheduling"}
     for field in dataclasses.fields(EngineConfig):
         expected = getattr(resolved, field.name) if field.name in concrete else getattr(config, field.name)
+        if field.name == "attention_backend":
+            expected = "torch"  # None made concrete: the CPU's backend
         assert getattr(resolved.config, field.name) == expected, field.name
 
 

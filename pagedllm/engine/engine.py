@@ -14,8 +14,9 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
+from pagedllm.executor.executor import Executor
 from pagedllm.executor.ranks import is_rank_zero
-from pagedllm.executor.worker import collect_start_up_garbage
+from pagedllm.executor.start_up import collect_start_up_garbage
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -74,16 +75,19 @@ def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        """executor: what runs the steps. None: built from the resolved config, a Worker, or a DistributedExecutor
+        for several ranks. A given one (a stand-in without a device, as in tests and benchmarks) is used as it is:
+        its num_kv_blocks sizes the block manager."""
         load_tokenizer = not config.skip_tokenizer_init
         checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero())
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
-        self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype)
+        self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
-        # Under torchrun, on ranks other than 0 this serves rank 0 and exits the process.
-        self.worker = make_executor(config, self.spec, self.max_model_len, resolved.device, resolved.dtype, checkpoint)
+        # Under torchrun, on ranks other than 0 make_executor serves rank 0 and exits the process.
+        self.worker = executor if executor is not None else make_executor(resolved, self.spec, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -97,6 +101,8 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode)
         # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        # Those of them that asked for device timings: the executor records them while any is attached.
+        self.timed_listeners: list[Callable[[StepRecord], None]] = []
         self.tracer: Tracer | None = None
         if config.trace_file is not None:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
@@ -104,12 +110,17 @@ class LLMEngine:
 
     def add_step_listener(self, listener: Callable[[StepRecord], None], device_timings: bool = False) -> None:
         """device_timings: records carry marks around each step's device work (CUDA events on a GPU, host clock
-        readings on CPU; a few events a step)."""
+        readings on CPU; a few events a step) until this listener is removed."""
         self.step_listeners.append(listener)
-        self.worker.record_events |= device_timings
+        if device_timings:
+            self.timed_listeners.append(listener)
+            self.worker.set_device_timings(True)
 
     def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         self.step_listeners.remove(listener)
+        if listener in self.timed_listeners:
+            self.timed_listeners.remove(listener)
+            self.worker.set_device_timings(bool(self.timed_listeners))
 
     def start_trace(self, path: str | None, kv_every: int | None = None) -> Tracer:
         """Trace every step and request from now on (pagedllm/trace/tracer.py); path None keeps it in memory."""
@@ -121,11 +132,11 @@ class LLMEngine:
         return self.tracer
 
     def stop_trace(self) -> None:
-        """Detach the tracer (writing its file one last time): no per-step work is left behind."""
+        """Detach the tracer (writing its file one last time): no per-step work is left behind, and device timings
+        stay on only for other listeners that asked for them."""
         if self.tracer is not None:
             self.remove_step_listener(self.tracer.on_step)
             self.pipeline.describe_step = None
-            self.worker.record_events = False  # the tracer is the only listener that asks for device timings
             self.tracer.close()
             self.tracer = None
 

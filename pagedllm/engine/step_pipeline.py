@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
 from pagedllm.engine.plan_builder import LastSamplingBatch, PromptLogprobSpan, build_step_plan
+from pagedllm.executor.executor import Executor
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepSampling
 from pagedllm.outputs import PositionLogprobs
@@ -92,10 +93,12 @@ class StepResult:
 
 
 class StepPipeline:
-    """Drives a scheduler and a worker (anything with execute(plan, previous) -> StepOutput).
+    """Drives a scheduler and an executor (executor/executor.py; the pipeline calls only its execute).
     decode: a token id's text for Logprob.decoded_token (None leaves it None)."""
 
-    def __init__(self, scheduler: Scheduler, worker, overlap: bool, decode: Callable[[int], str] | None = None):
+    def __init__(
+        self, scheduler: Scheduler, worker: Executor, overlap: bool, decode: Callable[[int], str] | None = None
+    ):
         self.scheduler, self.worker, self.overlap, self.decode = scheduler, worker, overlap, decode
         self.in_flight: LaunchedStep | None = None
         self.step_ids = itertools.count()
@@ -138,7 +141,7 @@ class StepPipeline:
         step_id = next(self.step_ids)
         planned = build_step_plan(batch, step_id, self.scheduler.block_manager.block_size, self.last_sampling)
         planned_at = time.perf_counter()
-        sampling = planned.plan.sampling  # kept here: the worker may pad the plan
+        sampling = planned.plan.sampling  # the one part of the plan the launched step keeps
         output = self.worker.execute(planned.plan, previous.output if previous is not None else None)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
         record = StepRecord(

@@ -1,6 +1,6 @@
-"""DistributedExecutor: rank 0's side of tensor parallelism, with a Worker's surface (execute,
-num_kv_blocks), so the engine drives it exactly like a Worker. Each plan goes to the other ranks first, then rank 0
-runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
+"""DistributedExecutor: rank 0's side of tensor parallelism, an Executor (executor/executor.py) as a Worker is, so
+the engine drives it exactly like a Worker; rank 0's own Worker is its `worker`. Each plan goes to the other ranks
+first, then rank 0 runs its own shard; the ranks' collectives meet inside the forward, and rank 0 samples.
 
 Lifecycle: shutdown(), garbage collection and interpreter exit end every rank. A rank that fails ends the group: the
 step raises a RuntimeError naming the rank and its error, and every later step raises too.
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig
+from pagedllm.config import ResolvedConfig
+from pagedllm.executor.executor import Executor
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
     STOP_TIMEOUT_S,
@@ -27,7 +28,9 @@ from pagedllm.executor.ranks import (
     launched_by_torchrun,
     rank_device,
     serve_plans,
+    share_resolved_config,
 )
+from pagedllm.executor.start_up import start_worker
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.executor.worker import Worker
@@ -36,19 +39,12 @@ from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 
 
-def make_executor(
-    config: EngineConfig,
-    spec: DecoderSpec,
-    max_model_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    checkpoint: Checkpoint,
-) -> Worker | DistributedExecutor:
+def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Executor:
     """A Worker for one rank; for several, checks that they can work before any process starts."""
-    if config.tensor_parallel_size == 1:
-        return Worker(config, max_model_len, device, dtype, checkpoint)
-    check_tensor_parallel(config, spec, device)
-    return DistributedExecutor(config, max_model_len, device, dtype, checkpoint)
+    if resolved.config.tensor_parallel_size == 1:
+        return start_worker(resolved, checkpoint)
+    check_tensor_parallel(resolved.config, spec, resolved.device)
+    return DistributedExecutor(resolved, checkpoint)
 
 
 @dataclass(slots=True)
@@ -59,40 +55,41 @@ class GroupState:
 
 
 class DistributedExecutor:
-    def __init__(
-        self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype, checkpoint: Checkpoint
-    ):
+    def __init__(self, resolved: ResolvedConfig, checkpoint: Checkpoint):
         """Start the other ranks (or join them, under torchrun) and load rank 0's shard.
 
         Under torchrun, in the processes of ranks other than 0 this serves rank 0 and then exits the process
         (SystemExit(0)): code after LLM(...) runs on rank 0 only.
         """
-        size = config.tensor_parallel_size
+        size = resolved.config.tensor_parallel_size
         self.state = GroupState()
         self.ranks: SpawnedRanks | None = None
         if launched_by_torchrun():
             rank = envs.RANK.get()
-            device = rank_device(device, envs.LOCAL_RANK.get())
+            device = rank_device(resolved.device, envs.LOCAL_RANK.get())
             self.tp = join_group(rank, size, device, store=None)
+            resolved = share_resolved_config(resolved, self.tp)
             if rank != 0:
-                serve_plans(Worker(config, max_model_len, device, dtype, checkpoint, self.tp))
+                serve_plans(start_worker(resolved, checkpoint, self.tp, device))
                 raise SystemExit(0)
         else:
+            device = resolved.device
             if device.type == "cpu":  # CPU ranks share this host's cores: each gets 1/size of this process's threads
                 self.state.threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, self.state.threads_before // size))
             device = rank_device(device, 0)
             try:
-                self.ranks = SpawnedRanks(config, max_model_len, device, dtype, torch.get_num_threads())
+                self.ranks = SpawnedRanks(resolved, device, torch.get_num_threads())
                 self.ranks.wait_until_joining()
                 self.tp = join_group(0, size, device, self.ranks.store)
             except BaseException as error:
                 self.fail(error)
         try:
-            self.worker = Worker(config, max_model_len, device, dtype, checkpoint, self.tp)
+            self.worker = start_worker(resolved, checkpoint, self.tp, device)
             self.weight_bytes_per_rank = gather_weight_bytes(self.worker)
         except BaseException as error:
             self.fail(error)
+        self.device, self.num_kv_blocks = self.worker.device, self.worker.num_kv_blocks
         self.sender = PlanSender(self.tp.host_group)
         self.finalizer = weakref.finalize(self, end_group, self.worker, self.sender, self.ranks, self.state)
         logger.info(
@@ -100,34 +97,8 @@ class DistributedExecutor:
             ", ".join(f"{count / 2**20:.1f}" for count in self.weight_bytes_per_rank),
         )  # fmt: skip
 
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.worker.num_kv_blocks
-
-    @property
-    def record_events(self) -> bool:
-        return self.worker.record_events
-
-    @record_events.setter
-    def record_events(self, value: bool) -> None:
-        self.worker.record_events = value
-
-    @property
-    def model(self):
-        """Rank 0's shard of the model (its compute_logits returns the gathered logits)."""
-        return self.worker.model
-
-    @property
-    def backend(self):
-        return self.worker.backend
-
-    @property
-    def graphs(self):
-        return self.worker.graphs
+    def set_device_timings(self, on: bool) -> None:
+        self.worker.set_device_timings(on)  # rank 0's steps carry the events: the others' are not read
 
     def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
         if self.state.ended:

@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ResolvedConfig
 from pagedllm.executor.plan_broadcast import receive_plan
-from pagedllm.executor.worker import Worker, collect_start_up_garbage
+from pagedllm.executor.start_up import collect_start_up_garbage, start_worker
+from pagedllm.executor.worker import Worker
 from pagedllm.layers.parallel_state import TensorParallelGroup
 from pagedllm.models.registry import check_tensor_parallel_size
 from pagedllm.models.spec import DecoderSpec
@@ -105,6 +106,14 @@ def serve_plans(worker: Worker) -> None:
     dist.destroy_process_group()
 
 
+def share_resolved_config(resolved: ResolvedConfig, tp: TensorParallelGroup) -> ResolvedConfig:
+    """Under torchrun each process resolved its own settings: every rank takes rank 0's (kernel choices included),
+    so no rank runs a choice of its own. Every rank calls this once, after joining the group."""
+    shared = [resolved]
+    dist.broadcast_object_list(shared, src=0, group=tp.host_group)
+    return shared[0]
+
+
 def error_key(rank: int) -> str:
     return f"pagedllm/error/{rank}"
 
@@ -114,15 +123,7 @@ def joining_key(rank: int) -> str:
 
 
 def run_spawned_rank(
-    rank: int,
-    size: int,
-    host: str,
-    port: int,
-    config: EngineConfig,
-    max_model_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_threads: int,
+    rank: int, size: int, host: str, port: int, resolved: ResolvedConfig, device: torch.device, num_threads: int
 ) -> None:
     """A process the LLM spawned for `rank`. Any error it hits is left in the store for rank 0 to report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the group
@@ -130,7 +131,7 @@ def run_spawned_rank(
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     try:
         store.set(joining_key(rank), "1")
-        serve_plans(Worker(config, max_model_len, device, dtype, tp=join_group(rank, size, device, store)))
+        serve_plans(start_worker(resolved, tp=join_group(rank, size, device, store), device=device))
     except BaseException:
         try:
             store.set(error_key(rank), traceback.format_exc())
@@ -142,11 +143,10 @@ class SpawnedRanks:
     """Ranks 1..size-1 as processes of this one (spawned, never forked: CUDA does not survive a fork). They meet
     rank 0 at a TCP store on MASTER_ADDR:MASTER_PORT if given, else on a free port of this host."""
 
-    def __init__(
-        self, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype, num_threads: int
-    ):
-        """num_threads: each rank's torch CPU threads."""
-        self.size = config.tensor_parallel_size
+    def __init__(self, resolved: ResolvedConfig, device: torch.device, num_threads: int):
+        """resolved: rank 0's settings and kernel choices, which every rank runs; device: rank 0's (rank r takes the
+        r-th GPU from it); num_threads: each rank's torch CPU threads."""
+        self.size = resolved.config.tensor_parallel_size
         host = envs.MASTER_ADDR.get()
         port = envs.MASTER_PORT.get()  # 0: the store binds a free port, so engines never collide
         timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
@@ -157,17 +157,7 @@ class SpawnedRanks:
         self.processes = [
             context.Process(
                 target=run_spawned_rank,
-                args=(
-                    rank,
-                    self.size,
-                    host,
-                    self.store.port,
-                    config,
-                    max_model_len,
-                    rank_device(device, rank),
-                    dtype,
-                    num_threads,
-                ),
+                args=(rank, self.size, host, self.store.port, resolved, rank_device(device, rank), num_threads),
                 name=f"pagedllm-tp-rank-{rank}",
                 daemon=True,
             )

@@ -28,6 +28,7 @@ class Checkpoint:
     named_tensors: Callable[[torch.dtype], Iterable[tuple[str, CheckpointTensor]]]
     checkpoint_dtype: object = None
     generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
+    weights_fp8: bool = False  # an FP8 checkpoint (read dequantized; the engine may keep fp8 weights on a GPU)
 
 
 def open_checkpoint(
@@ -75,6 +76,7 @@ def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -
         generation_config=(
             GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
         ),
+        weights_fp8=fp8 is not None,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor import start_up
 from pagedllm.executor.plan_fields import check_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -73,7 +74,7 @@ def test_preemption_changes_nothing(llama_dir, prompts, baseline):
 
 
 def test_start_up_steps_on_the_real_cache_change_nothing(llama_dir, prompts, baseline):
-    """On CUDA, start-up runs its largest steps again over the real cache's first blocks (Worker.refill_allocator) and
+    """On CUDA, start-up runs its largest steps again over the real cache's first blocks (start_up.refill_allocator) and
     leaves their K/V there, in the first blocks that requests get; blocks also keep ended requests' K/V. A request
     writes each position before it reads it, so neither changes outputs: here every block starts as large garbage."""
     llm = LLM(llama_dir, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=16, num_kv_blocks=200)
@@ -81,8 +82,8 @@ def test_start_up_steps_on_the_real_cache_change_nothing(llama_dir, prompts, bas
     for tensor in (worker.kv_cache.keys, worker.kv_cache.values):
         tensor.normal_(std=100.0)
     garbage = worker.kv_cache.keys.clone()
-    worker.refill_allocator()
-    plans, num_written = worker.start_up_steps()
+    start_up.refill_allocator(worker)
+    plans, num_written = start_up.start_up_steps(worker)
     for plan in plans:
         check_plan(plan)
     assert not torch.equal(worker.kv_cache.keys[:, :num_written], garbage[:, :num_written])  # the steps ran there

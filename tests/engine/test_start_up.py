@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor import start_up
 
 
 def test_start_up_ends_with_a_full_collection(tiny_model_dirs):
@@ -31,7 +32,7 @@ def test_start_up_ends_with_a_full_collection(tiny_model_dirs):
 
 def test_lm_head_warm_up_covers_every_row_count_steps_use(tiny_model_dirs, monkeypatch):
     """On CUDA the lm head's first GEMM at a new row count waited for the device (0.58 s of TinyLlama's first run on
-    the H200), so start-up runs it at every row count a step can pass it (Worker.warm_logit_row_counts; on CUDA only,
+    the H200), so start-up runs it at every row count a step can pass it (start_up.warm_logit_row_counts; on CUDA only,
     called here by hand). A workload of every kind of step, batches larger than max_num_seqs, n > 1 and prompt
     logprobs, passes the lm head no row count that the warm-up did not."""
     llm = LLM(tiny_model_dirs["qwen3"], max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True)
@@ -44,7 +45,7 @@ def test_lm_head_warm_up_covers_every_row_count_steps_use(tiny_model_dirs, monke
         return compute_logits(hidden)
 
     monkeypatch.setattr(worker.model, "compute_logits", recording)
-    worker.warm_logit_row_counts()
+    start_up.warm_logit_row_counts(worker)
     warmed = set(row_counts)
     row_counts.clear()
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(5 + 9 * i)]} for i in range(13)]

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, train_tokenizer
+from conftest import local_worker, make_config, train_tokenizer
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor.executor import Executor
 from pagedllm.layers.parallel_state import kv_heads_per_rank
 
 pytestmark = pytest.mark.slow
@@ -106,7 +107,7 @@ def vocab_size(llm: LLM) -> int:
 @contextmanager
 def captured_logits(llm: LLM):
     """Every logits tensor the engine computes (on rank 0: the gathered vocabulary) while the block runs."""
-    model = llm.llm_engine.worker.model
+    model = local_worker(llm).model
     captured, original = [], model.compute_logits
 
     def recording(hidden):
@@ -211,6 +212,19 @@ def test_last_prompt_position_logits_match(engines):
     for expected, actual in zip(*captures):
         assert actual.shape == expected.shape and actual.shape[-1] == vocab_size(reference)  # padding dropped
         assert (actual - expected).norm() / expected.norm() < 1e-5
+
+
+def test_the_tensor_parallel_executor_is_an_executor_and_times_rank_0s_steps(engines):
+    _, parallel = engines
+    engine = parallel.llm_engine
+    assert isinstance(engine.worker, Executor) and engine.worker.num_kv_blocks == engine.block_manager.num_blocks
+    records = []
+    engine.add_step_listener(records.append, device_timings=True)
+    try:
+        greedy(parallel, make_prompts(vocab_size(parallel))[:2])
+    finally:
+        engine.remove_step_listener(records.append)
+    assert records and all(record.events is not None and record.events.forward_ms() > 0 for record in records)
 
 
 def test_each_rank_holds_its_share(engines):

@@ -33,6 +33,7 @@ RAISES_WITHIN_S = 20  # the failures below are seen in well under a second; this
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
+    import pagedllm.executor.start_up as start_up
     import pagedllm.executor.worker as worker_module
     from pagedllm import LLM, SamplingParams
 
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent(
         raise ValueError(f"injected failure on rank 1 while {what}")
 
     if os.environ.get("TP_TEST_FAULT") == "loading":
-        worker_module.load_weights = lambda *args: fail_on_rank_1("loading")
+        start_up.load_weights = lambda *args: fail_on_rank_1("loading")
     if os.environ.get("TP_TEST_FAULT") == "running":
         execute = worker_module.Worker.execute
         worker_module.Worker.execute = lambda self, plan, previous=None: (

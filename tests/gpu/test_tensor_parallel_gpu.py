@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, capture_logits
+from conftest import VOCAB_SIZE, capture_logits, local_worker
 from test_gpu_engine import SMALL, assert_bf16_prefill_matches_transformers, prompts, reference_greedy, tokens
 
 from pagedllm import LLM
@@ -29,7 +29,7 @@ def test_float32_greedy_equals_transformers(tiny_model_dirs, name):
     batch = prompts()
     with parallel_llm(tiny_model_dirs[name], dtype="float32") as llm:
         executor = llm.llm_engine.worker
-        assert executor.graphs is not None and llm.llm_engine.async_scheduling
+        assert local_worker(llm).graphs is not None and llm.llm_engine.async_scheduling
         assert max(executor.weight_bytes_per_rank) < 0.6 * sum(executor.weight_bytes_per_rank)
         assert tokens(llm, batch) == reference_greedy(tiny_model_dirs[name], torch.float32, batch)
 
@@ -49,7 +49,7 @@ def test_cuda_graphs_change_nothing(tiny_model_dirs, dtype):
     with parallel_llm(tiny_model_dirs["qwen3"], dtype=dtype, enforce_eager=True) as llm:
         eager = tokens(llm, prompts(1))
     with parallel_llm(tiny_model_dirs["qwen3"], dtype=dtype) as llm:
-        assert llm.llm_engine.worker.graphs is not None
+        assert local_worker(llm).graphs is not None
         assert tokens(llm, prompts(1)) == eager
 
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.engine.step_pipeline import StepPipeline
+from pagedllm.executor.executor import Executor
 from pagedllm.executor.plan_fields import check_plan
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
@@ -63,15 +64,24 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
 
 
 class FakeWorker:
-    """Stands in for the device: each sampled row gets its request's signature token (the request id as an int), so
-    a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder input is
-    filled from a row of the step in flight, and only there; a row's slot was registered for its request and not
-    released since, and no slot is held twice."""
+    """An Executor standing in for the device: each sampled row gets its request's signature token (the request id
+    as an int), so a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder
+    input is filled from a row of the step in flight, and only there; a row's slot was registered for its request
+    and not released since, and no slot is held twice."""
 
-    def __init__(self):
+    device = torch.device("cpu")
+
+    def __init__(self, num_kv_blocks: int):
+        self.num_kv_blocks = num_kv_blocks
         self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
 
-    def execute(self, plan: StepPlan, previous: StepOutput | None) -> StepOutput:
+    def set_device_timings(self, on: bool) -> None:
+        """No device: nothing to time."""
+
+    def shutdown(self) -> None:
+        """Holds nothing."""
+
+    def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
         check_plan(plan)  # each array of the dtype, shape and rows its field declares
         placeholder_rows = set(plan.placeholder_rows.tolist())
         assert placeholder_rows == {row for row, token in enumerate(plan.input_ids) if token == PLACEHOLDER}
@@ -89,7 +99,8 @@ class FakeWorker:
 
 
 def make_pipeline(scheduler: Scheduler, overlap: bool) -> tuple[StepPipeline, FakeWorker]:
-    worker = FakeWorker()
+    worker = FakeWorker(scheduler.block_manager.num_blocks)
+    assert isinstance(worker, Executor)
     return StepPipeline(scheduler, worker, overlap), worker
 
 
