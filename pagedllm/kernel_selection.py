@@ -33,6 +33,8 @@ def resolve_quantization(
     elsewhere); None: an FP8 checkpoint keeps FP8 weights where the GPU runs them, except with
     attention_backend='torch' (plain torch everywhere), and is dequantized elsewhere. Row or block scaling from
     PAGEDLLM_FP8_SCALING. FP8 weights quantize activations with a Triton kernel, asked for or not."""
+    if quantization is None and not checkpoint_fp8:
+        return None  # 16-bit weights: nothing to ask the device
     reason = fp8_weights_unsupported_reason(device)
     if quantization == "fp8" and reason is not None:
         raise ValueError(f"quantization='fp8': {reason}; use quantization=None (16-bit weights)")

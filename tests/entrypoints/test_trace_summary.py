@@ -29,4 +29,4 @@ def test_generate_writes_a_trace_that_trace_summary_reads(llama_dir, tmp_path, c
 
 def test_trace_flags_are_checked(llama_dir, capsys):
     assert main(["generate", "x", "--model", llama_dir, "--trace-kv-every", "2"]) == 2
-    assert "trace_kv_every needs trace_file" in capsys.readouterr().err
+    assert "--trace-kv-every needs --trace-file" in capsys.readouterr().err  # CLI errors name the flag
