@@ -45,3 +45,10 @@ class CheckpointTensor:
     def read(self) -> torch.Tensor:
         """This part of the tensor, in `dtype`, on the CPU."""
         return self.read_slices(self.slices).to(self.dtype)
+
+
+def copy_weight(param: torch.Tensor, loaded: CheckpointTensor) -> None:
+    """The default weight loader: the whole tensor into a parameter of its shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded.read())
