@@ -23,10 +23,6 @@ class CheckpointTensor:
     def lazy(cls, name: str, shape: tuple[int, ...], read_slices: SliceReader, dtype: torch.dtype) -> CheckpointTensor:
         return cls(name, read_slices, dtype, tuple(slice(0, size) for size in shape))
 
-    @classmethod
-    def in_memory(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CheckpointTensor:
-        return cls.lazy(name, tuple(tensor.shape), tensor.__getitem__, dtype)
-
     @property
     def shape(self) -> torch.Size:
         return torch.Size(part.stop - part.start for part in self.slices)
