@@ -11,9 +11,9 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import check_conversation
-from pagedllm.engine.step_pipeline import StepRecord
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.trace.step_record import StepRecord
 
 Prompt = str | dict
 

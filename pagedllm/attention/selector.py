@@ -8,11 +8,8 @@ import importlib.util
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.triton_limits import FP8_MIN_CAPABILITY, TRITON_HEAD_DIM_MULTIPLE, TRITON_MAX_HEAD_DIM
 from pagedllm.logger import logger
-
-TRITON_HEAD_DIM_MULTIPLE = 8  # the kernels pad head_dim to a power of two inside, masking the padding
-TRITON_MAX_HEAD_DIM = 256
-FP8_MIN_CAPABILITY = (8, 9)  # Triton converts float8 e4m3 only on Ada / Hopper and later
 
 
 def triton_installed() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.selector import TRITON_HEAD_DIM_MULTIPLE, TRITON_MAX_HEAD_DIM
+from pagedllm.attention.triton_limits import TRITON_HEAD_DIM_MULTIPLE, TRITON_MAX_HEAD_DIM
 from pagedllm.kernels import decode_attention, prefill_attention, store_kv_cache
 
 

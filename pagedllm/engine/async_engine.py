@@ -16,13 +16,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 import zmq
 
-from pagedllm import outputs as outputs_module
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine_core import (
     AbortRequests,
@@ -38,12 +37,10 @@ from pagedllm.engine.engine_core import (
     engine_core_process_main,
     run_engine_core,
 )
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
-REQUEST_OUTPUT_FIELDS = {f.name for f in fields(RequestOutput)}
-COMPLETION_OUTPUT_FIELDS = {f.name for f in fields(CompletionOutput)}
 
 
 class EngineDeadError(RuntimeError):
@@ -71,9 +68,8 @@ class StatsListener(Protocol):
 
 def decode_logprobs(positions: EncodedLogprobs) -> list:
     """Plain tuples from the core -> [{token_id: Logprob}] (an empty position, the first prompt token, -> None)."""
-    logprob_class = outputs_module.Logprob
     return [
-        {token_id: logprob_class(logprob, rank, text) for token_id, logprob, rank, text in entry} if entry else None
+        {token_id: Logprob(logprob, rank, text) for token_id, logprob, rank, text in entry} if entry else None
         for entry in positions
     ]
 
@@ -89,7 +85,7 @@ class CompletionState:
     cumulative_logprob: float | None = None
 
     def snapshot(self) -> CompletionOutput:
-        values = dict(
+        return CompletionOutput(
             index=self.index,
             text=self.text,
             token_ids=list(self.token_ids),
@@ -98,7 +94,6 @@ class CompletionState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             stop_reason=self.stop_reason,
         )
-        return CompletionOutput(**{k: v for k, v in values.items() if k in COMPLETION_OUTPUT_FIELDS})
 
 
 class RequestStream:
@@ -174,7 +169,7 @@ class RequestStream:
                 state.logprobs = (state.logprobs or []) + decode_logprobs(change.logprobs)
 
     def snapshot(self, finished: bool) -> RequestOutput:
-        values = dict(
+        return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
@@ -183,7 +178,6 @@ class RequestStream:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
         )
-        return RequestOutput(**{k: v for k, v in values.items() if k in REQUEST_OUTPUT_FIELDS})
 
 
 class AsyncLLM:

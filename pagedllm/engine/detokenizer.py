@@ -27,13 +27,6 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.text = ""  # the output text so far; ends before a matched stop string (unless it is included)
         self.stop_reason: str | None = None  # the stop string that ended the text
-        self.num_streamed_chars = 0
-
-    def add(self, token_id: int) -> str:
-        """Feed one token; returns the text it completes (possibly empty)."""
-        num_chars = len(self.text)
-        self.update([token_id])
-        return self.text[num_chars:]
 
     def update(self, token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Feed new output tokens. stop_terminated: the last one is the EOS or stop token that ends the request; its
@@ -97,10 +90,3 @@ class IncrementalDetokenizer:
         if finished or self.stop_checker is None:
             return self.text
         return self.text[: max(len(self.text) - self.stop_checker.holdback, 0)]
-
-    def new_output_text(self, finished: bool) -> str:
-        """What output_text() shows beyond the previous call's (for streaming deltas)."""
-        shown = self.output_text(finished)
-        delta = shown[self.num_streamed_chars :]
-        self.num_streamed_chars = len(shown)
-        return delta

@@ -15,43 +15,16 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
 from pagedllm.engine.plan_builder import LastSamplingBatch, PromptLogprobSpan, build_step_plan
 from pagedllm.executor.executor import Executor
-from pagedllm.executor.step_output import StepEvents, StepOutput
+from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepSampling
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence
-
-if TYPE_CHECKING:
-    from pagedllm.trace.tracer import StepDetail
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """One step as it happened: what it held, and host times (time.perf_counter()) of its phases."""
-
-    step_id: int
-    num_seqs: int
-    num_prefill_tokens: int  # tokens of sequences still reading their prompt (or recomputing after preemption)
-    num_decode_tokens: int
-    num_sampled: int
-    num_running: int  # after scheduling
-    num_waiting: int
-    num_free_blocks: int
-    num_preemptions: int  # preemptions this step's schedule made
-    scheduled_at: float  # before scheduling
-    batched_at: float  # batch scheduled
-    planned_at: float  # plan built
-    launched_at: float  # the device work is queued
-    resolve_started_at: float = 0.0  # tokens asked for (the host may wait for the device from here)
-    resolved_at: float = 0.0  # tokens read back and handed to the scheduler
-    num_generated: int = 0  # sampled tokens that reached a live request (rows of requests ended meanwhile drop)
-    events: StepEvents | None = None  # device timings, where the worker recorded them
-    detail: StepDetail | None = None  # per-request detail, only while a tracer asks for it (describe_step)
+from pagedllm.trace.step_record import StepDetail, StepRecord
 
 
 @dataclass(slots=True)

@@ -40,11 +40,6 @@ class KVCache:
                 raw = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor
                 raw[:, copies[:, 1]] = raw[:, copies[:, 0]]
 
-    @property
-    def num_bytes(self) -> int:
-        tensors = (self.keys, self.values, self.key_scales, self.value_scales)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the KV values are stored in: EngineConfig.kv_cache_dtype "auto" = the model's, "fp8" = e4m3."""

@@ -18,7 +18,7 @@ from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padd
 DEFAULT_BLOCK_N = 64
 WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: K/V tiles of all stages stay within shared memory (untuned)
 # head_dim 64, 16-bit cache (TinyLlama's 32:4 heads, 256 sequences of 100..2048 tokens, H200): 128-key tiles took
-# 96.7 us against 101.0 with 64 (kernels.py --splits-sweep, session 8).
+# 96.7 us against 101.0 with 64 (kernels.py --splits-sweep).
 NARROW_HEAD_BLOCK_N = 128
 # fp8 cache, bf16 model, head_dim 128: the best of kernels.py --fp8-sweep on the H200 (272 us against 348 us with
 # the bf16 defaults at 256 x 1024 tokens; 298 against 391 on mixed lengths). Other cases keep the defaults (not

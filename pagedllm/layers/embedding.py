@@ -6,18 +6,13 @@ rank r holds rows [r * shard_size, (r + 1) * shard_size); rows past the real voc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import check_full_shape
-from pagedllm.layers.linear_method import copy_weight
 from pagedllm.layers.parallel_state import tp_group
-
-if TYPE_CHECKING:
-    from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):

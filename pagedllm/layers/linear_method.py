@@ -8,20 +8,11 @@ the kernel choices (`linear_method` in layers/linear.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from pagedllm.loader.checkpoint_tensor import CheckpointTensor
-
-
-def copy_weight(param: nn.Parameter | torch.Tensor, loaded: CheckpointTensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
-    param.data.copy_(loaded.read())
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
 
 class LinearMethod:

@@ -23,10 +23,6 @@ class CheckpointTensor:
     def lazy(cls, name: str, shape: tuple[int, ...], read_slices: SliceReader, dtype: torch.dtype) -> CheckpointTensor:
         return cls(name, read_slices, dtype, tuple(slice(0, size) for size in shape))
 
-    @classmethod
-    def in_memory(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CheckpointTensor:
-        return cls.lazy(name, tuple(tensor.shape), tensor.__getitem__, dtype)
-
     @property
     def shape(self) -> torch.Size:
         return torch.Size(part.stop - part.start for part in self.slices)
@@ -45,3 +41,10 @@ class CheckpointTensor:
     def read(self) -> torch.Tensor:
         """This part of the tensor, in `dtype`, on the CPU."""
         return self.read_slices(self.slices).to(self.dtype)
+
+
+def copy_weight(param: torch.Tensor, loaded: CheckpointTensor) -> None:
+    """The default weight loader: the whole tensor into a parameter of its shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded.read())

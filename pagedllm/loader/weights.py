@@ -10,8 +10,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from pagedllm.layers.linear_method import copy_weight
-from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

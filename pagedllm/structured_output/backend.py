@@ -1,13 +1,12 @@
 """The interface a structured-output library implements: compile a constraint once, then match it per sample.
 
 A bitmask row holds one bit per token id (bit t % 32 of int32 word t // 32; 1 = allowed), as llguidance and
-xgrammar lay it out. `load_backend` builds the engine's backend; today that is llguidance (the `structured` extra).
+xgrammar lay it out. The engine's backend comes from `factory.load_backend`; today that is llguidance.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 
 import numpy as np
 
@@ -82,17 +81,3 @@ class StructuredOutputBackend(ABC):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """ValueError naming the field and what the library found wrong (bad JSON schema, an unsupported schema
         keyword, a bad regex or grammar)."""
-
-
-def load_backend(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> StructuredOutputBackend:
-    """The engine's backend for its Hugging Face tokenizer, a model vocabulary of vocab_size logits and the ids that
-    end a sequence (empty when the model has none); StructuredOutputsUnavailable without the `structured` extra."""
-    try:
-        from pagedllm.structured_output.llguidance_backend import LLGuidanceBackend
-    except ImportError as error:
-        if not (error.name or "").startswith("llguidance"):
-            raise
-        raise StructuredOutputsUnavailable(
-            f"structured outputs need the llguidance library, which is not installed; install it with `{INSTALL_HINT}`"
-        ) from error
-    return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)

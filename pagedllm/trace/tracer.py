@@ -9,12 +9,13 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagedllm.executor.step_output import HostMark
 from pagedllm.logger import logger
+from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence, SequenceStatus
 from pagedllm.trace.events import (
     CACHED,
@@ -37,31 +38,14 @@ from pagedllm.trace.events import (
     span,
     thread_name,
 )
-
-if TYPE_CHECKING:
-    from pagedllm.engine.step_pipeline import LaunchedStep, StepRecord
-    from pagedllm.scheduler.scheduler import Scheduler
+from pagedllm.trace.step_record import KvBlocks, StepDetail, StepRecord
 
 
-@dataclass(slots=True)
-class KvBlocks:
-    """The block pool after a step was scheduled: one state character per block (events.FREE, CACHED, USED,
-    SHARED) and the track id of the earliest admitted request holding it (-1: none; 0: a request that arrived
-    before the trace began)."""
+class LaunchedStepView(Protocol):
+    """What describe_step reads of a step the pipeline has just launched (engine.step_pipeline.LaunchedStep)."""
 
-    states: str
-    owners: list[int]
-
-
-@dataclass(slots=True)
-class StepDetail:
-    """What a step did per request, taken when it was launched (the step's tokens are not known yet)."""
-
-    admitted: list[tuple[Sequence, int]]  # admitted this step (first time or after preemption), prefix-cache hit tokens
-    chunks: list[tuple[Sequence, int, bool]]  # prompt or recompute chunks: tokens, and whether this one ends the prompt
-    preempted: list[Sequence]  # preempted when this step was scheduled
-    num_cached_blocks: int  # blocks in the prefix cache's index, held or free
-    kv_blocks: KvBlocks | None = None  # every kv_every steps
+    batch: ScheduledBatch
+    record: StepRecord
 
 
 @dataclass(slots=True)
@@ -165,7 +149,7 @@ class Tracer:
 
     # Steps.
 
-    def describe_step(self, launched: LaunchedStep, scheduler: Scheduler) -> StepDetail:
+    def describe_step(self, launched: LaunchedStepView, scheduler: Scheduler) -> StepDetail:
         """Per-request detail of a step just scheduled: a set lookup per sequence, O(running) when it preempted."""
         preempted = []
         if launched.record.num_preemptions:

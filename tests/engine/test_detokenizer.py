@@ -46,7 +46,11 @@ def test_streamed_text_equals_full_decode(tokenizer):
     text = " France is Paris — café 🍷 naïve 東京 def f(x): return x**2"
     output_ids = tokenizer.encode(text)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt)
-    pieces = [detokenizer.add(token_id) for token_id in output_ids]
+    pieces = []
+    for token_id in output_ids:
+        num_chars = len(detokenizer.text)
+        detokenizer.update([token_id])
+        pieces.append(detokenizer.text[num_chars:])
     assert "".join(pieces) == detokenizer.text == tokenizer.decode(output_ids)
     assert all("\ufffd" not in piece for piece in pieces)  # multi-byte characters wait until complete
     assert any(piece == "" for piece in pieces)  # ...which this byte-level text forces at least once
@@ -83,10 +87,12 @@ def test_streaming_never_shows_text_that_a_stop_string_removes(tokenizer, stop):
 
 def test_stream_deltas_add_up_to_the_final_text(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer, [5], SamplingParams(stop=["capital."]))
-    deltas = []
+    deltas, num_shown = [], 0
     for token_id in tokenizer.encode(TEXT):
         finished = detokenizer.update([token_id]) is not None
-        deltas.append(detokenizer.new_output_text(finished))
+        shown = detokenizer.output_text(finished)
+        deltas.append(shown[num_shown:])
+        num_shown = len(shown)
         if finished:
             break
     assert "".join(deltas) == " France is Paris, the " and any(deltas) and "" in deltas
@@ -112,7 +118,7 @@ def test_incomplete_trailing_character_shows_as_replacement_when_finished(tokeni
     ids = tokenizer.encode("x 🍷")[:-1]  # the glass's last byte never came
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The"))
     for token_id in ids:
-        detokenizer.add(token_id)
+        detokenizer.update([token_id])
     assert detokenizer.text == "x "  # while running, half a character waits
     detokenizer.finish()
     assert detokenizer.text == tokenizer.decode(ids) == "x \ufffd"

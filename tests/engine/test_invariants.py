@@ -1,5 +1,5 @@
 """Greedy output must not change with prefix caching, chunk size, preemption or batch composition
-(../shared/DESIGN.md), and no KV block may stay held once every request has ended."""
+(docs/design.md, "Invariants that are tests"), and no KV block may stay held once every request has ended."""
 
 from __future__ import annotations
 

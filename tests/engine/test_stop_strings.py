@@ -28,7 +28,7 @@ def free_run(llm) -> tuple[list[int], list[str]]:
     detokenizer = IncrementalDetokenizer(llm.get_tokenizer(), llm.get_tokenizer().encode(PROMPT))
     texts = []
     for token_id in token_ids:
-        detokenizer.add(token_id)
+        detokenizer.update([token_id])
         texts.append(detokenizer.text)
     return token_ids, texts
 

@@ -20,7 +20,9 @@ SPEC = DecoderSpec(
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_block_bytes_count_every_allocated_byte(kv_cache_dtype):
     cache = allocate_kv_cache(SPEC, 5, 16, torch.bfloat16, torch.device("cpu"), 1, kv_cache_dtype)
-    assert cache.num_bytes == 5 * kv_block_bytes(SPEC, 16, torch.bfloat16, 1, kv_cache_dtype)
+    tensors = (cache.keys, cache.values, cache.key_scales, cache.value_scales)
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    assert num_bytes == 5 * kv_block_bytes(SPEC, 16, torch.bfloat16, 1, kv_cache_dtype)
     assert cache.keys.shape == cache.values.shape == (3, 5, 16, 2, 128)
     if kv_cache_dtype == "fp8":
         assert cache.keys.dtype == torch.float8_e4m3fn

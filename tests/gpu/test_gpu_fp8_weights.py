@@ -70,7 +70,9 @@ def test_fp8_product_matches_the_dequantized_weights(scaling, rows, in_features)
     weight = torch.randn(384, in_features, device="cuda") * 0.05
     with torch.device("cuda"), building_with_kernels(KernelChoices(quantization=f"fp8_{scaling}")):
         layer = ColumnParallelLinear(in_features, 384).to(torch.bfloat16)
-    layer.weight_loader(layer.weight, CheckpointTensor.in_memory("w", weight.cpu(), torch.bfloat16))
+    host_weight = weight.cpu()
+    loaded = CheckpointTensor.lazy("w", tuple(host_weight.shape), host_weight.__getitem__, torch.bfloat16)
+    layer.weight_loader(layer.weight, loaded)
     layer.method.finish_loading(layer)
     if scaling == "rows":
         dequantized = layer.weight.float() * layer.weight_scale

@@ -60,7 +60,9 @@ def loaded_layer(scaling: str, in_features: int, out_features: int = 80) -> tupl
     with building_with_kernels(KernelChoices(quantization=f"fp8_{scaling}")):
         layer = ColumnParallelLinear(in_features, out_features)
     assert isinstance(layer.method, Fp8LinearMethod)
-    layer.weight_loader(layer.weight, CheckpointTensor.in_memory("w", weight, torch.float32))
+    layer.weight_loader(
+        layer.weight, CheckpointTensor.lazy("w", tuple(weight.shape), weight.__getitem__, torch.float32)
+    )
     layer.method.finish_loading(layer)
     return layer, weight
 

@@ -26,7 +26,7 @@ def shards(tensor) -> list:
 
 def test_narrowing_reads_the_same_part_as_torch():
     full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
-    lazy = CheckpointTensor.in_memory("w", full, torch.bfloat16)
+    lazy = CheckpointTensor.lazy("w", tuple(full.shape), full.__getitem__, torch.bfloat16)
     for part, expected in zip(shards(lazy), shards(full), strict=True):
         assert part.shape == expected.shape
         assert part.read().dtype == torch.bfloat16 and torch.equal(part.read(), expected.to(torch.bfloat16))

@@ -8,7 +8,8 @@ import sys
 import pytest
 from conftest import VOCAB_SIZE, train_tokenizer
 
-from pagedllm.structured_output.backend import StructuredOutputsUnavailable, bitmask_words, load_backend
+from pagedllm.structured_output.backend import StructuredOutputsUnavailable, bitmask_words
+from pagedllm.structured_output.factory import load_backend
 
 
 def test_without_llguidance_the_error_names_the_extra(monkeypatch):

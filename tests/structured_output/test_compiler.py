@@ -82,7 +82,7 @@ def test_a_bad_constraint_raises_value_error_from_its_future(compiler):
 
 def test_llguidance_compiles_a_large_schema_on_the_worker():
     pytest.importorskip("llguidance", reason="needs the structured extra")
-    from pagedllm.structured_output.backend import load_backend
+    from pagedllm.structured_output.factory import load_backend
 
     backend = load_backend(train_tokenizer(), VOCAB_SIZE, [1])
     compiler = GrammarCompiler(backend)

@@ -19,8 +19,8 @@ from conftest import VOCAB_SIZE, train_tokenizer
 pytest.importorskip("llguidance", reason="the structured-output tests need the structured extra")
 
 from pagedllm import StructuredOutputsParams  # noqa: E402
-from pagedllm.structured_output.backend import load_backend  # noqa: E402
 from pagedllm.structured_output.bitmask import apply_bitmask  # noqa: E402
+from pagedllm.structured_output.factory import load_backend  # noqa: E402
 
 PADDED_VOCAB_SIZE = VOCAB_SIZE + 40  # a model vocabulary past the tokenizer's, as real models pad theirs
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, RequestOutput, SamplingParams
-from pagedllm.engine.step_pipeline import StepRecord
+from pagedllm.trace.step_record import StepRecord
 
 
 @dataclass
