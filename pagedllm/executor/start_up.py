@@ -233,10 +233,9 @@ def refill_allocator(worker: Worker) -> None:
 @torch.inference_mode()
 def warm_logit_row_counts(worker: Worker) -> None:
     """The lm head's GEMM runs eagerly, after a step's graph, on the rows the step samples (1..max_num_seqs) or on a
-    chunk of prompt-logprob rows (up to PROMPT_LOGPROB_CHUNK). The first GEMM at each new row count waited for the
-    device: TinyLlama's first benchmark run spent 0.58 s more inside this GEMM than its second run (cProfile, H200),
-    its launches serialised behind the device, so its first run was 94% of the later ones. Every row count once,
-    here (a few hundred small GEMMs)."""
+    chunk of prompt-logprob rows (up to PROMPT_LOGPROB_CHUNK). The first GEMM at each new row count waits for the
+    device, which a user's first run would otherwise pay (benchmarks/NOTES.md, "Moved from docstrings"). Every row
+    count once, here (a few hundred small GEMMs)."""
     num_rows = max(worker.config.max_num_seqs, PROMPT_LOGPROB_CHUNK)
     hidden = torch.zeros(num_rows, worker.spec.hidden_size, dtype=worker.dtype, device=worker.device)
     for rows in range(1, num_rows + 1):
@@ -293,11 +292,11 @@ def fill_pinned_pool(max_bytes: int = 1 << 16, copies: int = 8) -> None:
 
 def collect_start_up_garbage() -> None:
     """The last step of start-up, after everything it builds (LLMEngine's, or a serving rank's). A full collection
-    scans every object alive, and start-up leaves many: one full collection paused a benchmark's first run for
-    0.30-0.41 s. Collecting now starts afresh the count that triggers the next full collection: it waits until a
-    quarter as many objects again have outlived the younger collections (CPython 3.12), more than a run keeps.
-    Objects built after this call count toward it: the block manager's one object per KV block (137,706 of them with
-    an fp8 cache on the H200) once brought that full collection into the first run.
+    scans every object alive, and start-up leaves many (a full collection in a first run paused it for tenths of a
+    second: benchmarks/NOTES.md, "Moved from docstrings"). Collecting now starts afresh the count that triggers the
+    next full collection: it waits until a quarter as many objects again have outlived the younger collections
+    (CPython 3.12), more than a run keeps. Objects built after this call count toward it, so it runs after the block
+    manager's one object per KV block is built.
     (Freezing the survivors, gc.freeze(), would also keep them out of later full collections, but an engine dropped
     without shutdown() sits in reference cycles and would then never be freed, its KV cache held.)
     Guard: tests/engine/test_start_up.py, test_start_up_ends_with_a_full_collection."""
