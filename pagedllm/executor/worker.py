@@ -38,7 +38,7 @@ from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
-from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampler import Sampler, TokenMask
 from pagedllm.layers.sampling_batch import array_to_device, build_sampling_batch
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
@@ -46,6 +46,7 @@ from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import bitmask_words
 
 # Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
 PROMPT_LOGPROB_CHUNK = 256
@@ -79,7 +80,9 @@ class Worker:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         if device.type == "cuda":
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device)
+            # A grammar's bitmask row covers the model's vocabulary (structured outputs).
+            widths = {"bitmask_words": bitmask_words(self.spec.vocab_size)}
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device, widths=widths)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.prefill_token_counts = graph_token_counts(max_tokens)
         self.graphs: DecodeGraphs | None = None
@@ -269,7 +272,8 @@ class Worker:
             sample_hidden = hidden[: len(rows)] if in_order else hidden[inputs.sample_rows]
             logits = self.model.compute_logits(sample_hidden)  # None on ranks other than 0
             if logits is not None:
-                sampled = self.sampler(logits, plan.sampling.batch)
+                mask = TokenMask(inputs.token_bitmask, inputs.bitmask_rows) if len(plan.bitmask_rows) else None
+                sampled = self.sampler(logits, plan.sampling.batch, mask)
         prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None
         if events is not None:
             events.end.record()
