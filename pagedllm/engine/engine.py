@@ -18,6 +18,7 @@ from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.ranks import is_rank_zero
 from pagedllm.executor.worker import collect_start_up_garbage
 from pagedllm.loader.checkpoint import open_checkpoint
+from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -327,12 +328,19 @@ class LLMEngine:
             sample.detokenizer.finish()
 
     def advance_grammar(self, seq: Sequence, token_id: int) -> None:
-        """The matcher takes the token (the mask allowed only tokens it accepts). A complete output ends the sequence
-        now, with finish_reason "stop", before it samples again: a terminated matcher allows only EOS, and nothing at
-        all for a model without EOS."""
+        """The matcher takes the token. A complete output ends the sequence now, with finish_reason "stop", before it
+        samples again: a terminated matcher allows only EOS, and nothing at all for a model without EOS. The library
+        may yet refuse a token its mask allowed (llguidance gives up on a grammar too complex for its parser's limits,
+        found only as it parses): the output cannot go on under its constraint, and ends as "abort"."""
         matcher = seq.grammar.matcher
-        accepted = matcher.accept_token(token_id)
-        assert accepted, f"token {token_id} was sampled outside its grammar's mask"
+        if not matcher.accept_token(token_id):
+            logger.warning(
+                "request %s: its grammar refused token %d, which its mask allowed; the output ends here (abort)",
+                seq.request_id, token_id,
+            )  # fmt: skip
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            return
         if not matcher.is_terminated():
             return
         if seq.is_finished:  # at its length limit on the same token: the grammar's end names the reason

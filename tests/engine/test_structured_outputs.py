@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import replace
 
 import jsonschema
@@ -206,3 +207,67 @@ def test_logprobs_are_the_models_before_the_mask(llama_dir):
     logprobs = {token: entry.logprob for token, entry in first.logprobs[0].items()}
     assert logprobs == {token: entry.logprob for token, entry in unconstrained.logprobs[0].items()}
     assert all(value > float("-inf") for value in logprobs.values())
+
+
+def large_schema(num_fields: int) -> dict:
+    """Compiles in about a second for 8000 fields."""
+    pattern = "[a-z]{{{}}}[0-9]+x{}"
+    properties = {f"field_{i}": {"type": "string", "pattern": pattern.format(i % 7 + 1, i)} for i in range(num_fields)}
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def test_a_large_schema_compiles_while_the_others_decode(llama_dir):
+    """Four unconstrained streams, the time between their steps (add_request's included) with and without a large
+    schema compiling meanwhile: the compile runs on the compiler's thread, so no step waits for it."""
+    llm = LLM(llama_dir, max_model_len=512)
+    engine = llm.llm_engine
+    free = SamplingParams(temperature=0, max_tokens=400)
+
+    def step_gaps(compile_large: bool) -> tuple[list[float], float]:
+        """The gaps between steps while the large schema compiles (or as many without it), and the compile's time."""
+        for index in range(4):
+            engine.add_request(f"free-{compile_large}-{index}", prompt(index), free)
+        for _ in range(3):  # past the prompts
+            engine.step()
+        gaps, started = [], time.perf_counter()
+        last = started
+        if compile_large:
+            constrained = SamplingParams(structured_outputs=StructuredOutputsParams(json=large_schema(8000)))
+            engine.add_request("large", prompt(0), constrained)
+        while (engine.waits_for_grammar("large") if compile_large else len(gaps) < 100) and len(gaps) < 2000:
+            engine.step()
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        compile_time = time.perf_counter() - started
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+        return gaps, compile_time
+
+    step_gaps(False)  # warm
+    without, _ = step_gaps(False)
+    during, compile_time = step_gaps(True)
+    assert compile_time > 0.3 and len(during) > 10  # long enough that a step waiting for it would show
+    p99_without, p99_during = np.percentile(without, 99), np.percentile(during, 99)
+    assert p99_during < 4 * p99_without + 0.05, (p99_during, p99_without, compile_time)
+    assert max(during) < compile_time / 2
+
+
+def test_a_grammar_the_library_gives_up_on_ends_as_abort(llama_dir):
+    """500 optional objects of enums: llguidance's parser exceeds its limits on the first token, which its mask
+    allowed. That output ends there, as "abort"; the request beside it is served as before."""
+    properties = {
+        f"field_{i}": {"type": "object", "properties": {"kind": {"enum": [f"kind_{i}_{j}" for j in range(10)]}}}
+        for i in range(500)
+    }
+    too_complex = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": properties})
+    )
+    free = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(llama_dir, max_model_len=256)
+    alone = llm.generate(prompt(1), free, use_tqdm=False)[0].outputs[0]
+    refused, beside = (
+        output.outputs[0] for output in llm.generate([prompt(0), prompt(1)], [too_complex, free], use_tqdm=False)
+    )
+    assert refused.finish_reason == "abort" and len(refused.token_ids) == 1
+    assert beside.token_ids == alone.token_ids and beside.finish_reason == "length"

@@ -323,6 +323,63 @@ def test_fields_that_would_be_ignored_are_400_naming_them(server, client, endpoi
     assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=2).usage.completion_tokens == 2
 
 
+def starts_a_json_object(text: str, finish_reason: str) -> bool:
+    """The whole object once the grammar ended it, else its beginning."""
+    return isinstance(json.loads(text), dict) if finish_reason == "stop" else text.startswith("{")
+
+
+def one_of_the_choices(text: str, finish_reason: str) -> bool:
+    return text in ONE_OF["choice"] and finish_reason == "stop"
+
+
+def lowercase_letters(text: str, finish_reason: str) -> bool:
+    return text.isalpha() and text.islower() and finish_reason == "length"  # [a-z]+ never ends by itself
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "satisfied"),
+    [
+        ("chat", dict(response_format={"type": "json_object"}), starts_a_json_object),
+        ("chat", dict(response_format=SCHEMA_FORMAT), starts_a_json_object),
+        ("chat", dict(structured_outputs={"regex": "[a-z]+", "disable_fallback": False}), lowercase_letters),
+        ("completions", dict(structured_outputs=ONE_OF), one_of_the_choices),
+        ("completions", dict(response_format={"type": "json_object"}), starts_a_json_object),
+    ],
+)
+def test_structured_outputs_constrain_chat_and_completions(server, client, endpoint, fields, satisfied):
+    """The tiny model has no EOS: an output ends when its grammar is complete ("stop") or at max_tokens."""
+    if endpoint == "chat":
+        reply = client.chat.completions.create(model=server.model, messages=USER, extra_body=fields, **greedy(6))
+        text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+    else:
+        reply = client.completions.create(model=server.model, prompt="Paris is", extra_body=fields, **greedy(6))
+        text, reason = reply.choices[0].text, reply.choices[0].finish_reason
+    assert satisfied(text, reason), (text, reason)
+
+
+@pytest.mark.parametrize(
+    ("structured_outputs", "fragment"),
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "Invalid type: nope"),
+        ({"json": {"type": "object", "if": {"type": "object"}}}, "Unimplemented keys"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: foo"}, 'unknown name: "foo"'),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_the_library_refuses_are_400_and_others_are_served(
+    server, client, stream_client, structured_outputs, fragment, stream
+):
+    """Refused when compiled in the engine core, before the response starts (streamed too); others run on."""
+    (kind,) = structured_outputs
+    create = (stream_client if stream else client).chat.completions.create
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(model=server.model, messages=USER, stream=stream, extra_body={"structured_outputs": structured_outputs})
+    assert_openai_error(caught.value, 400, f"structured_outputs.{kind}")
+    assert fragment in caught.value.response.json()["error"]["message"]
+    assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(client, server):
     chat = client.chat.completions.create(
         model=server.model,
