@@ -165,8 +165,6 @@ class LLMEngine:
             for index in range(params.n)
         ]
         seqs[0].forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
-        if params.structured_outputs is not None:  # waits outside the scheduler while its grammar compiles
-            self.structured_requests().add(request_id, seqs[0])
         wants_logprobs = params.logprobs is not None
         samples = []
         for seq in seqs:
@@ -175,9 +173,11 @@ class LLMEngine:
             logprobs, cumulative_logprob = ([], 0.0) if wants_logprobs else (None, None)
             samples.append(Sample(seq, detokenizer, text_at_end, logprobs, cumulative_logprob))
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
-        self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
-        if params.structured_outputs is None:
+        if params.structured_outputs is not None:  # waits outside the scheduler while its grammar compiles
+            self.structured_requests().add(request_id, seqs[0])
+        else:
             self.scheduler.add(seqs[0])
+        self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
         if self.tracer is not None:
             self.tracer.request_arrived(seqs[0])  # one track per request: sample 0 stands for the others
 

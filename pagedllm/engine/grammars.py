@@ -87,7 +87,7 @@ class GrammarRequests:
         """Start compiling seq's constraint. Raises the backend's ValueError at once when it is known to be missing
         (no llguidance: the error names the extra)."""
         if self.backend.done() and self.backend.exception() is not None:
-            raise as_value_error(self.backend.exception())
+            raise ValueError(str(as_value_error(self.backend.exception())))  # a new one: callers may edit its message
         waiting = WaitingRequest(seq)
         if self.compiler is not None:
             waiting.compiled = self.compiler.submit(seq.sampling_params.structured_outputs)

@@ -271,3 +271,27 @@ def test_a_grammar_the_library_gives_up_on_ends_as_abort(llama_dir):
     )
     assert refused.finish_reason == "abort" and len(refused.token_ids) == 1
     assert beside.token_ids == alone.token_ids and beside.finish_reason == "length"
+
+
+def test_without_llguidance_a_structured_request_names_the_extra(llama_dir, monkeypatch):
+    """The backend loads at the first structured request: that request fails, later ones at once, and the engine
+    serves the others."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now fails
+    monkeypatch.delitem(sys.modules, "pagedllm.structured_output.llguidance_backend", raising=False)
+    llm = LLM(llama_dir, max_model_len=256)
+    free = SamplingParams(temperature=0, max_tokens=4)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"prompts\[1\]: .*pip install 'pagedllm\[structured\]'"):
+            llm.generate([prompt(0), prompt(1)], [free, params(1)], use_tqdm=False)
+        assert llm.generate(prompt(0), free, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+def test_a_stop_string_ends_a_constrained_output_as_usual(llama_dir):
+    llm = LLM(llama_dir, max_model_len=256)
+    regex = StructuredOutputsParams(regex=REGEX)
+    output = llm.generate(prompt(0), SamplingParams(seed=0, stop=["-"], structured_outputs=regex), use_tqdm=False)
+    completion = output[0].outputs[0]
+    assert completion.text in ("cat", "dog") and completion.finish_reason == "stop" and completion.stop_reason == "-"
