@@ -84,7 +84,7 @@ class LLM:
                         error.args = (f"prompts[{index}]: {error}",)
                     raise
                 added.append(request_id)
-            return self.run_to_completion(request_ids, use_tqdm)
+            return self.run_to_completion(request_ids, use_tqdm, is_list)
         except BaseException:
             for request_id in added:  # a failure (bad prompt, Ctrl-C) leaves nothing behind in the engine
                 engine.abort_request(request_id)
@@ -133,7 +133,9 @@ class LLM:
             token_ids = token_ids["input_ids"]
         return {"prompt_token_ids": list(token_ids)}
 
-    def run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def run_to_completion(self, request_ids: list[str], use_tqdm: bool, is_list: bool) -> list[RequestOutput]:
+        """Step until every request finished. A request whose constraint cannot be compiled (found while the others
+        run) raises its ValueError, naming its prompt in a list; generate() then aborts the others."""
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -143,6 +145,9 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 outputs = engine.step()
+                for rejection in engine.take_rejected():
+                    prefix = f"prompts[{request_ids.index(rejection.request_id)}]: " if is_list else ""
+                    raise ValueError(f"{prefix}{rejection.error}")
                 progress.set_postfix_str(rates.describe(), refresh=False)
                 for output in outputs:
                     if output.finished:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.grammars import GrammarRequests, RejectedRequest
 from pagedllm.engine.input_processor import process_prompt
 from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
@@ -18,6 +19,7 @@ from pagedllm.executor.executor import Executor
 from pagedllm.executor.ranks import is_rank_zero
 from pagedllm.executor.start_up import collect_start_up_garbage
 from pagedllm.loader.checkpoint import open_checkpoint
+from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -25,6 +27,9 @@ from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
 from pagedllm.trace.tracer import Tracer
+
+# When no step has work, how long step() waits for a grammar to compile before it returns.
+GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -75,6 +80,8 @@ def eos_token_ids(hf_config, tokenizer, generation_config) -> frozenset[int]:
 
 
 class LLMEngine:
+    grammars: GrammarRequests | None = None  # structured requests waiting for their grammar; at the first one
+
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         """executor: what runs the steps. None: built from the resolved config, a Worker, or a DistributedExecutor
         for several ranks. A given one (a stand-in without a device, as in tests and benchmarks) is used as it is:
@@ -177,8 +184,11 @@ class LLMEngine:
             logprobs, cumulative_logprob = ([], 0.0) if wants_logprobs else (None, None)
             samples.append(Sample(seq, detokenizer, text_at_end, logprobs, cumulative_logprob))
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        if params.structured_outputs is not None:  # waits outside the scheduler while its grammar compiles
+            self.structured_requests().add(request_id, seqs[0])
+        else:
+            self.scheduler.add(seqs[0])
         self.requests[request_id] = Request(text, list(token_ids), samples, stream, prompt_logprobs)
-        self.scheduler.add(seqs[0])
         if self.tracer is not None:
             self.tracer.request_arrived(seqs[0])  # one track per request: sample 0 stands for the others
 
@@ -194,8 +204,38 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True; use stop_token_ids")
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported yet: the engine cannot constrain its output")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer, but skip_tokenizer_init=True")
+
+    def structured_requests(self) -> GrammarRequests:
+        """Made at the first structured request, which starts loading the backend."""
+        if self.grammars is None:
+            self.grammars = GrammarRequests(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        return self.grammars
+
+    def waits_for_grammar(self, request_id: str) -> bool:
+        """The request is added, and waits for its grammar to compile: not scheduled yet."""
+        return self.grammars is not None and request_id in self.grammars
+
+    def take_rejected(self) -> list[RejectedRequest]:
+        """Requests whose constraint could not be compiled since the last call (a bad schema, regex or grammar, no
+        llguidance): each is gone from the engine, and its error says what is wrong; every other request runs on."""
+        if self.grammars is None:
+            return []
+        rejected, self.grammars.rejected = self.grammars.rejected, []
+        return rejected
+
+    def admit_compiled(self) -> None:
+        """Schedule the requests whose grammar is ready; drop those whose grammar failed (take_rejected() reports
+        them). When nothing runs, wait a little for a compile, rather than spin."""
+        timeout = 0.0 if self.pipeline.has_work() else GRAMMAR_WAIT_S
+        ready, rejected = self.grammars.take_finished(timeout)
+        for seq in ready:
+            self.scheduler.add(seq)
+        for rejection in rejected:
+            request = self.requests.pop(rejection.request_id)
+            if self.tracer is not None:
+                self.tracer.request_finished(request.samples[0].seq)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return process_prompt(prompt, self.tokenizer, self.spec.vocab_size)
@@ -218,16 +258,20 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
+            if self.grammars is not None:
+                self.grammars.abort(request_id)
             self.scheduler.abort(request_id)
             if self.tracer is not None:
                 self.tracer.request_finished(request.samples[0].seq)
 
     def shutdown(self) -> None:
         """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.worker.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.pipeline.has_work()
+        return self.pipeline.has_work() or bool(self.grammars)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every streamed request that produced a token this step
@@ -236,6 +280,8 @@ class LLMEngine:
         With async scheduling, step N+1 is queued on the device before step N's tokens are read back, so the
         host's bookkeeping overlaps the device's work; outputs then trail the device by one step.
         """
+        if self.grammars:
+            self.admit_compiled()
         result = self.pipeline.step()
         for computed in result.prompt_logprobs:
             request = self.requests[computed.seq.request_id]
@@ -267,8 +313,13 @@ class LLMEngine:
         return outputs
 
     def take_token(self, sample: Sample, token: NewToken) -> None:
-        """Logprobs, text and stop strings for one new token (already appended to the sequence)."""
+        """Grammar, logprobs, text and stop strings for one new token (already appended to the sequence)."""
         seq = sample.seq
+        # Ended by EOS or a stop token (the scheduler's rules): that token's text is left out, and it is no grammar
+        # text either, so the matcher does not take it.
+        ended_by_token = seq.finish_reason == "stop"
+        if seq.grammar is not None and not ended_by_token:
+            self.advance_grammar(seq, token.token_id)
         if sample.logprobs is not None:
             sample.logprobs.append(token.logprobs)
             sample.cumulative_logprob += token.logprobs[token.token_id].logprob
@@ -276,9 +327,9 @@ class LLMEngine:
             return
         if sample.text_at_end:
             if seq.is_finished:
-                sample.detokenizer.decode_all(seq.output_token_ids, stop_terminated=seq.finish_reason == "stop")
+                sample.detokenizer.decode_all(seq.output_token_ids, stop_terminated=ended_by_token)
             return
-        stop = sample.detokenizer.update([token.token_id], stop_terminated=seq.finish_reason == "stop")
+        stop = sample.detokenizer.update([token.token_id], stop_terminated=ended_by_token)
         if stop is not None:  # the text reached a stop string: the sequence ends here
             if seq.is_finished:  # at its length limit on the same token: the stop string names the reason
                 seq.finish_reason, seq.stop_reason = "stop", stop
@@ -286,6 +337,27 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop", stop_reason=stop)
         if seq.is_finished:
             sample.detokenizer.finish()
+
+    def advance_grammar(self, seq: Sequence, token_id: int) -> None:
+        """The matcher takes the token. A complete output ends the sequence now, with finish_reason "stop", before it
+        samples again: a terminated matcher allows only EOS, and nothing at all for a model without EOS. The library
+        may yet refuse a token its mask allowed (llguidance gives up on a grammar too complex for its parser's limits,
+        found only as it parses): the output cannot go on under its constraint, and ends as "abort"."""
+        matcher = seq.grammar.matcher
+        if not matcher.accept_token(token_id):
+            logger.warning(
+                "request %s: its grammar refused token %d, which its mask allowed; the output ends here (abort)",
+                seq.request_id, token_id,
+            )  # fmt: skip
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            return
+        if not matcher.is_terminated():
+            return
+        if seq.is_finished:  # at its length limit on the same token: the grammar's end names the reason
+            seq.finish_reason = "stop"
+        else:
+            self.scheduler.finish(seq, "stop")
 
     def decode_token(self, token_id: int) -> str:
         """A token's own text (Logprob.decoded_token); the token's name where it is part of a character."""

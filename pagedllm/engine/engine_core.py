@@ -133,6 +133,9 @@ class EngineCore:
         self.encoder = msgspec.msgpack.Encoder()
         self.progress: dict[str, SentProgress] = {}
         self.unscheduled: set[str] = set()  # accepted, not yet seen in scheduler.running
+        # Structured requests are accepted only once their grammar compiled, so that a constraint the library refuses
+        # is still an HTTP 400: the frontend starts no response before a request is accepted.
+        self.compiling: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -172,13 +175,17 @@ class EngineCore:
             return
         self.progress[message.request_id] = SentProgress()
         self.unscheduled.add(message.request_id)
-        accepted.append(message.request_id)
+        if self.engine.waits_for_grammar(message.request_id):
+            self.compiling.add(message.request_id)
+        else:
+            accepted.append(message.request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if self.progress.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)  # frees its KV blocks now
                 self.unscheduled.discard(request_id)
+                self.compiling.discard(request_id)
 
     def step(self) -> None:
         step_start = time.monotonic()
@@ -188,8 +195,22 @@ class EngineCore:
                 if seq.request_id in self.unscheduled:
                     self.unscheduled.discard(seq.request_id)
                     self.progress[seq.request_id].first_scheduled_time = step_start
+        accepted, rejected = self.compiled() if self.compiling else ([], [])
         deltas = [self.delta(output, step_start) for output in outputs if output.request_id in self.progress]
-        self.send(StepOutputs(self.stats(), deltas=deltas))
+        self.send(StepOutputs(self.stats(), deltas=deltas, accepted=accepted, rejected=rejected))
+
+    def compiled(self) -> tuple[list[str], list[Rejected]]:
+        """The structured requests whose grammar compiled this step (accepted: the frontend applies acceptances before
+        the deltas of the same message) and those whose constraint was refused (gone from the engine)."""
+        rejected = []
+        for rejection in self.engine.take_rejected():
+            if self.progress.pop(rejection.request_id, None) is not None:
+                self.unscheduled.discard(rejection.request_id)
+                self.compiling.discard(rejection.request_id)
+                rejected.append(Rejected(rejection.request_id, "ValueError", str(rejection.error)))
+        accepted = [request_id for request_id in self.compiling if not self.engine.waits_for_grammar(request_id)]
+        self.compiling.difference_update(accepted)
+        return accepted, rejected
 
     def delta(self, output, step_start: float) -> RequestDelta:
         progress = self.progress[output.request_id]

@@ -102,6 +102,21 @@ def prompt_logprob_spans(
     return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
+def grammar_masks(owners: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The mask rows of the sample rows a grammar constrains, filled by their matchers now, and their row indices
+    (ascending); None when no row is constrained, so such a step carries no mask at all. A constrained sequence never
+    holds a placeholder here: the pipeline settles a step with constrained rows before it plans the next."""
+    rows = [row for row, seq in enumerate(owners) if seq.grammar is not None]
+    if not rows:
+        return None
+    bitmask = np.empty((len(rows), owners[rows[0]].grammar.num_words), dtype=np.int32)
+    for index, row in enumerate(rows):
+        seq = owners[row]
+        assert seq.pending_sample_index < 0, "a constrained row's mask needs its previous token"
+        seq.grammar.fill(bitmask[index])
+    return bitmask, np.array(rows, dtype=np.int64)
+
+
 def build_step_plan(
     batch: ScheduledBatch, step_id: int, block_size: int, last_sampling: LastSamplingBatch
 ) -> PlannedStep:
@@ -160,4 +175,7 @@ def build_step_plan(
         prompt_logprob_rows=prompt_logprob_rows,
         block_copies=np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2),
     )
+    masks = grammar_masks(owners)
+    if masks is not None:
+        plan.token_bitmask, plan.bitmask_rows = masks
     return PlannedStep(plan, owners, spans)

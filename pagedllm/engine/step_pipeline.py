@@ -4,8 +4,10 @@ Synchronous: each step's tokens are read back before the next step is scheduled.
 Overlapped (async scheduling): step N+1 is scheduled and queued on the device before step N's tokens are read
 back. Each sampling sequence of step N holds a PLACEHOLDER token meanwhile; step N+1 takes the real token on the
 device from step N's samples. Invariant: row r of a step's samples belongs to owners[r], the sequences that
-sampled when the plan was built, whatever finishes or aborts before the rows are read. When the next schedule could
-preempt, every token is settled first (a preempted sequence must not hold a placeholder).
+sampled when the plan was built, whatever finishes or aborts before the rows are read. Settled first, before the next
+step is scheduled: every token when the next schedule could preempt (a preempted sequence must not hold a
+placeholder), and a step with rows a grammar constrains (structured outputs: a row's next mask needs its previous
+token, which the engine gives its matcher), so steps with constrained rows run synchronously.
 Logprobs and prompt logprobs come back with the step's tokens, as vLLM's per-position dicts.
 """
 
@@ -35,6 +37,7 @@ class LaunchedStep:
     sampling: StepSampling  # the plan's: which rows asked for logprobs, which prompt tokens the prompt rows predict
     output: StepOutput
     record: StepRecord
+    constrained: bool = False  # some row sampled under a grammar's mask
 
     def nobody_waits(self) -> bool:
         """Every sequence this step's results are for has ended (aborted): they can be dropped unread."""
@@ -93,7 +96,8 @@ class StepPipeline:
                 return StepResult()
             self.scheduler.advance(launched.batch)
             return self.resolve(launched)
-        if self.in_flight is not None and not self.scheduler.can_schedule_ahead():
+        in_flight = self.in_flight
+        if in_flight is not None and (in_flight.constrained or not self.scheduler.can_schedule_ahead()):
             return self.resolve_in_flight()
         launched = self.launch(self.in_flight)
         resolved = self.resolve_in_flight()
@@ -133,7 +137,10 @@ class StepPipeline:
             launched_at=time.perf_counter(),
             events=output.events,
         )
-        launched = LaunchedStep(batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record)
+        constrained = len(planned.plan.bitmask_rows) > 0
+        launched = LaunchedStep(
+            batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record, constrained
+        )
         if self.describe_step is not None:
             record.detail = self.describe_step(launched, self.scheduler)
         return launched

@@ -114,8 +114,11 @@ class PackedInputs:
             assert spec.rows.bound is not None, f"{name}: its rows have no bound, so it cannot be uploaded"
             if spec.columns is None:
                 columns = ()
+            elif isinstance(spec.columns, str):
+                assert spec.columns in widths, f"{name}: the step buffers need widths[{spec.columns!r}]"
+                columns = (widths[spec.columns],)
             else:
-                columns = (widths[spec.columns] if isinstance(spec.columns, str) else spec.columns,)
+                columns = (spec.columns,)
             shapes[name] = (bounds[spec.rows.bound] + spec.rows.extra, *columns)
         self.shapes = shapes
         tables = [name for name in shapes if len(shapes[name]) == 2]

@@ -13,6 +13,7 @@ import numpy as np
 
 from pagedllm.executor.plan_fields import (
     BLOCK_COPIES,
+    MASKED,
     PLACEHOLDERS,
     PROMPT_LOGPROB_ROWS,
     QUERY_STARTS,
@@ -81,6 +82,11 @@ class StepPlan:
     prompt_logprob_rows: np.ndarray = plan_array(np.int64, PROMPT_LOGPROB_ROWS, upload=False)
     # (source, destination) KV blocks to copy before the step: copy-on-write of shared blocks.
     block_copies: np.ndarray = plan_array(np.int64, BLOCK_COPIES, columns=2, upload=False)
+    # Structured outputs, rank 0's alone: the allowed tokens of each constrained sample row (bit t % 32 of word t // 32
+    # allows token t; bitmask_words = ceil(vocab / 32)) and that row's index among the sample rows, ascending. Only
+    # constrained rows are carried: a step without one has no rows here, and nothing is uploaded or applied.
+    token_bitmask: np.ndarray = plan_array(np.int32, MASKED, columns="bitmask_words", broadcast=False)
+    bitmask_rows: np.ndarray = plan_array(np.int64, MASKED, broadcast=False)
     sampling: StepSampling | None = None  # rank 0's alone: None on the other tensor-parallel ranks, which do not sample
 
     @property

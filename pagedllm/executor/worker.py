@@ -26,9 +26,10 @@ from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import TensorParallelGroup
-from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampler import Sampler, TokenMask
 from pagedllm.layers.sampling_batch import array_to_device
 from pagedllm.models.spec import DecoderSpec
+from pagedllm.structured_output.backend import bitmask_words
 
 # Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
 PROMPT_LOGPROB_CHUNK = 256
@@ -51,7 +52,9 @@ class Worker:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         if device.type == "cuda":
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device)
+            # A grammar's bitmask row covers the model's vocabulary (structured outputs).
+            widths = {"bitmask_words": bitmask_words(self.spec.vocab_size)}
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device, widths=widths)
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.prefill_token_counts = graph_token_counts(max_tokens)
         # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
@@ -98,7 +101,8 @@ class Worker:
             sample_hidden = hidden[: len(rows)] if in_order else hidden[inputs.sample_rows]
             logits = self.model.compute_logits(sample_hidden)  # None on ranks other than 0
             if logits is not None:
-                sampled = self.sampler(logits, plan.sampling.batch)
+                mask = TokenMask(inputs.token_bitmask, inputs.bitmask_rows) if len(plan.bitmask_rows) else None
+                sampled = self.sampler(logits, plan.sampling.batch, mask)
         prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None
         if events is not None:
             events.end.record()

@@ -1,6 +1,7 @@
 """The vectorised sampler: one pass over a batch whose rows each have their own parameters, on the device.
 
-Order, as vLLM's: raw logprobs (before anything else); logit_bias and min_tokens' bans; penalties; greedy rows
+Order: raw logprobs (before anything else, as vLLM's); a grammar's mask (structured outputs: disallowed tokens get
+-inf); logit_bias and min_tokens' bans; penalties; greedy rows
 take the argmax; the others divide by their temperature, keep what min-p, top-k and top-p allow (each on the
 distribution the previous one left, renormalised) and draw. A row draws by the exponential race,
 argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logits / T) without computing it.
@@ -26,6 +27,7 @@ from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_
 from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
 from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.bitmask import apply_bitmask
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
 # penalties runs one compiled signature); and the truncated path, which is not compiled but loads its kernels here.
@@ -35,6 +37,14 @@ WARMUP_PARAMS = (
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, presence_penalty=0.5),
     SamplingParams(temperature=0, frequency_penalty=0.5, repetition_penalty=1.1),
 )
+
+
+@dataclass(slots=True)
+class TokenMask:
+    """The grammar masks of a step's constrained rows, on the sampling device (StepPlan.token_bitmask)."""
+
+    bitmask: torch.Tensor  # [masked, bitmask_words] int32: bit t % 32 of word t // 32 allows token t
+    rows: torch.Tensor  # [masked] int64: which logits row each masks, ascending
 
 
 @dataclass(slots=True)
@@ -90,14 +100,15 @@ class Sampler:
             logits = torch.zeros(len(temperatures), self.penalties.vocab_size, device=self.device)
             fused_race(logits, temperatures, torch.Generator(device=self.device).manual_seed(0))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, mask: TokenMask | None = None) -> SamplerOutput:
+        """logits [rows, vocab] (a float32 input is modified in place) -> sampled ids and requested logprobs.
+        mask: the rows a grammar constrains (None: no row is)."""
         if batch.on_device is None:
             batch.on_device = batch.to_device(
                 self.device, self.generators.__getitem__, self.default_generator, self.kernels.pin_memory
             )
         tensors = batch.on_device
-        return sample_tokens(logits.float(), tensors, self.penalties, self.kernels)
+        return sample_tokens(logits.float(), tensors, self.penalties, self.kernels, mask)
 
 
 def sample_tokens(
@@ -105,12 +116,17 @@ def sample_tokens(
     params: SamplingTensors,
     penalty_state: PenaltyState | None = None,
     kernels: KernelChoices = TORCH_KERNELS,
+    mask: TokenMask | None = None,
 ) -> SamplerOutput:
-    """logits [rows, vocab] float32 (modified in place) -> the sampled ids, and logprobs for the rows that asked."""
+    """logits [rows, vocab] float32 (modified in place) -> the sampled ids, and logprobs for the rows that asked.
+    Logprobs are the model's (raw): taken before the grammar's mask, as before logit_bias and penalties."""
     raw_logprobs = None
     if params.logprob_rows is not None:
         all_rows = len(params.logprob_rows) == len(logits)
         raw_logprobs = (logits if all_rows else logits.index_select(0, params.logprob_rows)).log_softmax(dim=-1)
+    if mask is not None:
+        # Ascending distinct rows as many as the logits' are every row in order: masked in place, without a gather.
+        apply_bitmask(logits, mask.bitmask, None if len(mask.rows) == len(logits) else mask.rows)
     sampled = choose_tokens(process_logits(logits, params, penalty_state), params, kernels)
     if params.penalties is not None:
         penalty_state.update(params.penalties, sampled)

@@ -49,6 +49,9 @@ class Sequence:
     # The length at which it ends (max_tokens output tokens or max_model_len), set by Scheduler.add: both are fixed
     # for its lifetime (the engine's own copy of the SamplingParams is never changed after add_request).
     max_num_tokens: int = 0
+    # Structured outputs: this sample's grammar (the engine's engine/grammars.SampleGrammar), set before it is first
+    # scheduled; None without a constraint. It stays through preemption, which keeps the tokens and rebuilds only KV.
+    grammar: object | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

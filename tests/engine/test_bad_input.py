@@ -104,6 +104,16 @@ def generate_while_user_request_runs(ctx: Context, user_request_id):
         engine.abort_request(user_request_id)
 
 
+def structured_outputs(ctx: Context, kwargs):
+    return StructuredOutputsParams(**kwargs)
+
+
+def generate_constrained(ctx: Context, kwargs):
+    """The bad constraint second in a batch: the first request runs while it compiles, and is aborted when it fails."""
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(**kwargs))
+    return ctx.llm.generate([GOOD, GOOD], [GREEDY, params], use_tqdm=False)
+
+
 def sampling_params(ctx: Context, kwargs):
     return SamplingParams(**kwargs)
 
@@ -246,8 +256,20 @@ CASES = [
     case(generate_with_params, SamplingParams(prompt_logprobs=VOCAB_SIZE + 1), ValueError, "prompt_logprobs",
          id="sp-prompt-logprobs-past-vocab"),
     case(generate_with_params, SamplingParams(n=300), ValueError, "n=300", "max_num_seqs=256", id="sp-n-past-max-seqs"),
-    case(generate_with_params, SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")), ValueError,
-         "structured_outputs is not supported yet", id="sp-structured-outputs-not-yet"),
+    # --- structured outputs: refused when built, or when compiled (off the step path, while the others run) ---
+    case(structured_outputs, dict(json="{not json"), ValueError, "structured_outputs.json is not valid JSON",
+         id="so-json-malformed"),
+    case(structured_outputs, dict(regex="a", choice=["b"]), ValueError, "exactly one of", "got regex, choice",
+         id="so-two-constraints"),
+    case(structured_outputs, dict(choice=[]), ValueError, "at least one string", id="so-choice-empty"),
+    case(generate_constrained, dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), ValueError,
+         "prompts[1]: structured_outputs.json", "Invalid type: nope", id="so-json-bad-type"),
+    case(generate_constrained, dict(json={"type": "object", "if": {"type": "object"}}), ValueError,
+         "structured_outputs.json", "Unimplemented keys", '"if"', id="so-json-unsupported-keyword"),
+    case(generate_constrained, dict(regex="a(b"), ValueError, "structured_outputs.regex cannot be compiled",
+         "unclosed group", id="so-regex"),
+    case(generate_constrained, dict(grammar="start: foo"), ValueError, "structured_outputs.grammar",
+         'unknown name: "foo"', id="so-grammar"),
     # --- LLM() settings (point 4, and point 7's dtype=[]): EngineConfig refuses them before any file is read ---
     case(build_llm, dict(gpu_memory_utilisation=0.5), TypeError, "unknown LLM argument", "gpu_memory_utilization",
          raised_in=CONFIG, id="llm-unknown-keyword"),

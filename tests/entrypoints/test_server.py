@@ -255,18 +255,12 @@ def test_malformed_json_and_unknown_fields(server, client):
 USER = [{"role": "user", "content": "The quick brown"}]
 ONE_OF = {"choice": ["yes", "no"]}
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True}}
-NOT_YET = "structured_outputs is not supported yet"
 
 
 @pytest.mark.parametrize(
     ("endpoint", "fields", "param", "fragment"),
     [
-        # structured outputs: parsed and checked here, then refused by the engine until it applies them
-        ("chat", dict(response_format={"type": "json_object"}), None, NOT_YET),
-        ("chat", dict(response_format=SCHEMA_FORMAT), None, NOT_YET),
-        ("chat", dict(structured_outputs={"regex": "[a-z]+", "disable_fallback": False}), None, NOT_YET),
-        ("completions", dict(structured_outputs=ONE_OF), None, NOT_YET),
-        ("completions", dict(response_format={"type": "json_object"}), None, NOT_YET),
+        # structured outputs: parsed and checked by the server; constraints the library refuses, by the engine
         ("chat", dict(response_format={"type": "json_schema"}), "response_format", "needs json_schema"),
         ("chat", dict(response_format={"type": "xml"}), "response_format", "response_format.type"),
         (
@@ -326,6 +320,63 @@ def test_fields_that_would_be_ignored_are_400_naming_them(server, client, endpoi
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert fragment in error["message"], error
     assert error["param"] == param, error
+    assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=2).usage.completion_tokens == 2
+
+
+def starts_a_json_object(text: str, finish_reason: str) -> bool:
+    """The whole object once the grammar ended it, else its beginning."""
+    return isinstance(json.loads(text), dict) if finish_reason == "stop" else text.startswith("{")
+
+
+def one_of_the_choices(text: str, finish_reason: str) -> bool:
+    return text in ONE_OF["choice"] and finish_reason == "stop"
+
+
+def lowercase_letters(text: str, finish_reason: str) -> bool:
+    return text.isalpha() and text.islower() and finish_reason == "length"  # [a-z]+ never ends by itself
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "satisfied"),
+    [
+        ("chat", dict(response_format={"type": "json_object"}), starts_a_json_object),
+        ("chat", dict(response_format=SCHEMA_FORMAT), starts_a_json_object),
+        ("chat", dict(structured_outputs={"regex": "[a-z]+", "disable_fallback": False}), lowercase_letters),
+        ("completions", dict(structured_outputs=ONE_OF), one_of_the_choices),
+        ("completions", dict(response_format={"type": "json_object"}), starts_a_json_object),
+    ],
+)
+def test_structured_outputs_constrain_chat_and_completions(server, client, endpoint, fields, satisfied):
+    """The tiny model has no EOS: an output ends when its grammar is complete ("stop") or at max_tokens."""
+    if endpoint == "chat":
+        reply = client.chat.completions.create(model=server.model, messages=USER, extra_body=fields, **greedy(6))
+        text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+    else:
+        reply = client.completions.create(model=server.model, prompt="Paris is", extra_body=fields, **greedy(6))
+        text, reason = reply.choices[0].text, reply.choices[0].finish_reason
+    assert satisfied(text, reason), (text, reason)
+
+
+@pytest.mark.parametrize(
+    ("structured_outputs", "fragment"),
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "Invalid type: nope"),
+        ({"json": {"type": "object", "if": {"type": "object"}}}, "Unimplemented keys"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: foo"}, 'unknown name: "foo"'),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_the_library_refuses_are_400_and_others_are_served(
+    server, client, stream_client, structured_outputs, fragment, stream
+):
+    """Refused when compiled in the engine core, before the response starts (streamed too); others run on."""
+    (kind,) = structured_outputs
+    create = (stream_client if stream else client).chat.completions.create
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(model=server.model, messages=USER, stream=stream, extra_body={"structured_outputs": structured_outputs})
+    assert_openai_error(caught.value, 400, f"structured_outputs.{kind}")
+    assert fragment in caught.value.response.json()["error"]["message"]
     assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=2).usage.completion_tokens == 2
 
 

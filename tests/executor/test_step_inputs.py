@@ -10,9 +10,16 @@ from pagedllm.executor.cuda_graphs import graph_token_counts, padded_batch_size
 from pagedllm.executor.plan_fields import plan_arrays
 from pagedllm.executor.step_inputs import PackedInputs, StepBuffers, pad_decode_plan, pad_prefill_plan
 from pagedllm.executor.step_plan import StepPlan
+from pagedllm.structured_output.backend import bitmask_words
 
 CPU = torch.device("cpu")
 WIDTH = 6
+WIDTHS = {"bitmask_words": 2}  # a grammar's mask rows: a 64-token vocabulary
+
+
+def engine_widths(worker) -> dict[str, int]:
+    """As the worker builds its buffers on CUDA."""
+    return {"bitmask_words": bitmask_words(worker.spec.vocab_size)}
 
 
 def make_plan(query_lens: list[int], seed: int, width: int = WIDTH) -> StepPlan:
@@ -62,20 +69,20 @@ def assert_inputs_match(inputs, plan: StepPlan) -> None:
 
 
 def test_each_field_reads_back_after_larger_and_smaller_steps():
-    pack = PackedInputs(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
+    pack = PackedInputs(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU, widths=WIDTHS)
     plans = [make_plan([5, 1, 30, 1, 7, 1, 2, 1], 0), make_plan([1, 1, 1], 1, width=2), make_plan([9, 1], 2)]
     for plan in plans:
         assert_inputs_match(pack.upload(plan), plan)
 
 
 def test_a_full_pack_fills_every_field_to_its_end():
-    pack = PackedInputs(max_tokens=8, max_seqs=8, table_width=WIDTH, device=CPU)
+    pack = PackedInputs(max_tokens=8, max_seqs=8, table_width=WIDTH, device=CPU, widths=WIDTHS)
     plan = make_plan([1] * 8, 3)
     assert_inputs_match(pack.upload(plan), plan)
 
 
 def test_decode_steps_use_the_decode_pack_at_fixed_addresses():
-    buffers = StepBuffers(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU)
+    buffers = StepBuffers(max_tokens=64, max_seqs=8, table_width=WIDTH, device=CPU, widths=WIDTHS)
     addresses = {name: view.data_ptr() for name, view in buffers.decode.device.items()}
     decode, prefill = make_plan([1] * 5, 4), make_plan([20, 3], 5)
     decode = pad_decode_plan(decode, 8)  # as the worker pads a decode step to a graph's batch size
@@ -104,7 +111,9 @@ def test_an_engine_on_packed_inputs_generates_what_it_does_without_them(llama_di
     expected = tokens(LLM(llama_dir, **settings))
     packed = LLM(llama_dir, **settings)
     worker = packed.llm_engine.worker
-    worker.buffers = StepBuffers(64, worker.config.max_num_seqs, table_width=256 // 16, device=CPU)
+    worker.buffers = StepBuffers(
+        64, worker.config.max_num_seqs, table_width=256 // 16, device=CPU, widths=engine_widths(worker)
+    )
     uploads = []
     upload = worker.buffers.upload
     worker.buffers.upload = lambda plan: uploads.append(plan.block_tables.shape[1]) or upload(plan)
@@ -159,7 +168,9 @@ def test_an_engine_with_padded_prefill_steps_generates_what_it_does_without_them
     expected = outputs(LLM(llama_dir, **settings))
     padded = LLM(llama_dir, **settings)
     worker = padded.llm_engine.worker
-    worker.buffers = StepBuffers(40, worker.config.max_num_seqs, table_width=256 // 16, device=CPU)
+    worker.buffers = StepBuffers(
+        40, worker.config.max_num_seqs, table_width=256 // 16, device=CPU, widths=engine_widths(worker)
+    )
     worker.pads_steps = True
     worker.prefill_token_counts = [16, 32]  # steps of 33-40 tokens run as they are, as steps above 8192 do on CUDA
     sizes = []

@@ -1,0 +1,92 @@
+"""The default model (SmolLM2) behind `pagedllm serve`, asked through the openai SDK's parse() for five realistic
+pydantic models at once (nested objects, enums, arrays with min/max items, required fields, number ranges): every
+reply parses into its model."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server tests need the serve extra (pip install -e '.[test]')")
+pytest.importorskip("llguidance", reason="structured outputs need the structured extra")
+openai = pytest.importorskip("openai")
+from pydantic import BaseModel, Field  # noqa: E402
+from server_process import start_server, stop_server  # noqa: E402
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=30)
+    city: str = Field(max_length=20)
+    postcode: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    address: Address
+
+
+class Order(BaseModel):
+    item: Literal["book", "pen", "laptop", "phone"]
+    quantity: int = Field(ge=1, le=10)
+    tags: list[str] = Field(min_length=1, max_length=3)
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    temperature_celsius: float = Field(ge=-50, le=60)
+    conditions: Literal["sunny", "cloudy", "rain", "snow"]
+
+
+class Book(BaseModel):
+    title: str = Field(max_length=40)
+    year: int = Field(ge=1450, le=2025)
+    genres: list[Literal["fiction", "history", "science", "poetry"]] = Field(min_length=1, max_length=2)
+
+
+class Attendee(BaseModel):
+    name: str = Field(max_length=20)
+    role: Literal["speaker", "guest", "host"]
+
+
+class Event(BaseModel):
+    name: str = Field(max_length=30)
+    is_public: bool
+    attendees: list[Attendee] = Field(min_length=1, max_length=3)
+
+
+QUESTIONS = [
+    (Person, "Describe a person who lives in Paris, with their address."),
+    (Order, "Write an order for two pens."),
+    (Weather, "What is the weather like in Oslo in winter?"),
+    (Book, "Describe a famous history book."),
+    (Event, "Describe a small public conference with a speaker and a host."),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = start_server(None, tmp_path_factory.mktemp("structured") / "server.log", "--max-model-len", "1024")
+    yield running
+    stop_server(running)
+
+
+def test_every_reply_parses_into_its_pydantic_model(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(question):
+        response_format, text = question
+        messages = [{"role": "user", "content": text}]
+        return client.chat.completions.parse(
+            model=model, messages=messages, response_format=response_format, temperature=0, max_tokens=200
+        )
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:  # concurrently: the rows of one batch
+        replies = list(pool.map(ask, QUESTIONS))
+    for (response_format, _), reply in zip(QUESTIONS, replies):
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, response_format), choice.message.content
