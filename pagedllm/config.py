@@ -52,6 +52,7 @@ class EngineConfig:
     trace_kv_every: int | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -104,7 +105,9 @@ class EngineConfig:
             self, device=device, dtype=dtype, max_model_len=max_model_len, async_scheduling=async_scheduling,
             attention_backend=attention_backend,
         )  # fmt: skip
-        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, kernels)
+        threads, threads_source = (self.threads, "asked for") if self.threads is not None else default_threads()
+        config = replace(config, threads=threads)
+        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, kernels, threads, threads_source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,8 @@ class ResolvedConfig:
     # Which kernels run. kernels.attention is the backend that runs: config.attention_backend is the one asked for
     # (or the device's default), and a model the Triton kernels cannot take falls back to torch in attention alone.
     kernels: KernelChoices
+    threads: int  # torch's CPU threads in the engine's process (each CPU tensor-parallel rank takes a share)
+    threads_source: str  # why that many, for the start-up line
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +284,14 @@ FIELD_RULES: dict[str, Rule] = {
         f"one of {KV_CACHE_DTYPES}",
         lambda value: value in KV_CACHE_DTYPES,
     ),
+    "threads": Rule(
+        "torch's CPU threads for the engine: None, the cores this process may use (its CPU affinity, capped by a "
+        "cgroup CPU quota) but one, so that a busy neighbour slows one thread down instead of stalling every parallel "
+        "op",
+        (int, NONE),
+        POSITIVE_INT_OR_NONE,
+        is_positive_or_none,
+    ),
     "quantization": Rule(
         "the linear layers' weights: fp8, float8 e4m3 with scales on GPUs of compute capability 9.0+ (a 16-bit "
         "checkpoint quantized at load); None, the checkpoint's: fp8 for an FP8 checkpoint where the GPU runs it, "
@@ -294,6 +307,38 @@ def normalize_dtype_name(name: str | torch.dtype) -> str:
     if isinstance(name, torch.dtype):
         return str(name).removeprefix("torch.")
     return DTYPE_ALIASES.get(name, name)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs a cgroup quota allows this process (cgroup v2 cpu.max, or v1 cfs_quota_us / cfs_period_us), None
+    without a quota."""
+    try:
+        if (root / "cpu.max").exists():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> tuple[int, str]:
+    """How many cores this process may run on, and what says so: its CPU affinity, capped by a cgroup quota."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    if quota is not None and int(quota) < affinity:
+        return max(1, int(quota)), f"a cgroup quota of {quota:g} CPUs"
+    return affinity, f"{affinity} core{'s' if affinity > 1 else ''} in its CPU affinity"
+
+
+def default_threads() -> tuple[int, str]:
+    """All usable cores but one (a busy neighbour then slows one thread down instead of stalling every parallel op:
+    on 2 cores with one busy, 2 threads took 1.5x as long as 1), and why."""
+    cores, source = usable_cores()
+    if cores == 1:
+        return 1, source
+    return cores - 1, f"{source}, one left for other work"
 
 
 def resolve_device(name: str | torch.device) -> torch.device:

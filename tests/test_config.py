@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import TINY_MODELS, make_config
 
-from pagedllm import kernel_selection
+from pagedllm import LLM, kernel_selection
+from pagedllm import config as config_module
 from pagedllm.attention import selector
 from pagedllm.config import EngineConfig
 from pagedllm.kernel_selection import resolve_kernel_choices
@@ -89,7 +92,7 @@ def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as
     """What the executor and its ranks read: no default left to derive, every other field unchanged."""
     config = EngineConfig(device="cpu", block_size=8, kv_cache_dtype="fp8")
     resolved = config.resolve(tiny_spec(), None)
-    concrete = {"device", "dtype", "max_model_len", "async_scheduling"}
+    concrete = {"device", "dtype", "max_model_len", "async_scheduling", "threads"}
     for field in dataclasses.fields(EngineConfig):
         expected = getattr(resolved, field.name) if field.name in concrete else getattr(config, field.name)
         if field.name == "attention_backend":
@@ -102,3 +105,45 @@ def test_a_sliding_window_limits_max_model_len():
     assert EngineConfig(device="cpu").resolve(spec, None).max_model_len == 256
     with pytest.raises(ValueError, match="max_model_len=300 exceeds the model's limit of 256 positions"):
         EngineConfig(device="cpu", max_model_len=300).resolve(spec, None)
+
+
+def test_the_thread_default_under_a_one_core_affinity_mask_is_one():
+    script = (
+        "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+        "from pagedllm.config import default_threads; print(default_threads())"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "(1, '1 core in its CPU affinity')"
+
+
+def test_the_thread_default_leaves_one_core_for_other_work(monkeypatch):
+    monkeypatch.setattr(config_module, "usable_cores", lambda: (4, "4 cores in its CPU affinity"))
+    assert config_module.default_threads() == (3, "4 cores in its CPU affinity, one left for other work")
+
+
+@pytest.mark.parametrize(
+    "files, quota",
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_a_cgroup_quota_caps_the_usable_cores(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert config_module.cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_threads_are_checked_and_set(llama_dir):
+    with pytest.raises(ValueError, match="threads must be a positive int or None, got 0"):
+        EngineConfig(threads=0)
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(llama_dir, threads=1)
+        assert torch.get_num_threads() == 1 and llm.llm_engine.resolved.threads_source == "asked for"
+    finally:
+        torch.set_num_threads(before)

@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.grammars import GrammarRequests, RejectedRequest
@@ -93,6 +95,7 @@ class LLMEngine:
         self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
+        torch.set_num_threads(resolved.threads)  # before the executor: CPU tensor-parallel ranks share them out
         # Under torchrun, on ranks other than 0 make_executor serves rank 0 and exits the process.
         self.worker = executor if executor is not None else make_executor(resolved, self.spec, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)

@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs, flag_named_error
-
-
-def default_threads() -> int:
-    """All cores but one: a busy neighbour then slows us down instead of stalling every parallel op (README,
-    "CPU threads": on 2 cores with one busy, 2 threads took 1.5x as long as 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
-
-
-DEFAULT_THREADS = default_threads()
 
 
 def add_common_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -28,9 +17,7 @@ def add_common_flags(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's probability")
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
     group.add_argument("--stop", action="append", default=[], help="stop at this text (repeat the flag for several)")
-    threads_help = f"CPU threads (all cores but one: {DEFAULT_THREADS})"
-    engine = add_engine_flags(parser, command)
-    engine.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=threads_help)
+    add_engine_flags(parser, command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.cli_args import add_serve_flags
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs pagedllm[serve])")
-    add_serve_flags(serve, DEFAULT_THREADS)
+    add_serve_flags(serve)
     return parser
 
 
@@ -74,13 +61,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
 
 def make_llm(args: argparse.Namespace):
-    import torch
-
     from pagedllm import LLM
 
-    if args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     return LLM(**engine_kwargs(args, args.command))
 
 

@@ -120,9 +120,10 @@ def size_kv_cache(worker: Worker, warmup_peak: int) -> tuple[int, KVCache]:
     num_kv_blocks = worker.tp.min_over_ranks(num_kv_blocks)
     kv_cache = bind_new_kv_cache(worker, num_kv_blocks)
     start_up_log(worker)(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; kernels: %s",
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s) on %s; kernels: %s; %d CPU thread%s (%s)",
         num_kv_blocks, config.block_size, num_kv_blocks * config.block_size, num_kv_blocks * block_bytes / 2**30,
         ", fp8" if config.kv_cache_dtype == "fp8" else "", worker.device, worker.kernels.describe(),
+        torch.get_num_threads(), "" if torch.get_num_threads() == 1 else "s", worker.resolved.threads_source,
     )  # fmt: skip
     return num_kv_blocks, kv_cache
 

@@ -45,6 +45,7 @@ class Worker:
         KV cache and the graphs come from the start-up phases."""
         config, max_model_len = resolved.config, resolved.max_model_len
         self.config, self.device, self.dtype, self.tp, self.spec = config, device, resolved.dtype, tp, spec
+        self.resolved = resolved
         self.kernels = resolved.kernels  # which kernels the model, the attention backend and the sampler run
         self.block_size = config.block_size
         self.max_model_len = max_model_len

@@ -64,7 +64,7 @@ def test_chat_with_max_model_len():
     [
         (["chat", "--temperature", "hot"], "invalid float value"),
         (["generate", "x", "--max-tokens", "0"], "--max-tokens must be an int >= 1"),
-        (["generate", "x", "--threads", "0"], "--threads must be at least 1"),
+        (["generate", "x", "--threads", "0"], "--threads must be a positive int"),
         (["generate"], "give at least one prompt"),
         (["generate", "--file", "/nonexistent/prompts.txt"], "cannot read --file"),
         (["generate", "x", "--kv-cache-dtype", "fp16"], "--kv-cache-dtype must be one of ('auto', 'fp8')"),

@@ -7,13 +7,12 @@ import argparse
 from pagedllm.entrypoints.engine_args import add_engine_flags
 
 
-def add_serve_flags(parser: argparse.ArgumentParser, default_threads: int) -> None:
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)")
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
     engine = add_engine_flags(parser, "serve")
-    engine.add_argument("--threads", type=int, default=default_threads, help=f"CPU threads ({default_threads})")
     engine.add_argument(
         "--engine-core-in-thread",
         action="store_true",
