@@ -189,9 +189,10 @@ POSITIVE_INT, POSITIVE_INT_OR_NONE, BOOL = "a positive int", "a positive int or 
 # One rule per EngineConfig field (a new field adds one entry here; its flag on every command follows from it).
 FIELD_RULES: dict[str, Rule] = {
     "model": Rule(
-        "Hugging Face model directory or .gguf file; None: the embedded default model (SmolLM2-135M-Instruct)",
+        "Hugging Face model directory, .gguf file or hub id (org/name, through the Hugging Face cache; "
+        "HF_HUB_OFFLINE=1 reads the cache alone); None: the embedded default model (SmolLM2-135M-Instruct)",
         (str, os.PathLike, NONE),
-        "a model directory or .gguf path (str or os.PathLike), or None",
+        "a model directory, .gguf path or hub id (str or os.PathLike), or None",
     ),
     "tokenizer": Rule(
         "a local tokenizer directory; None: the model's own",

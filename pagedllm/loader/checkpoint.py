@@ -47,6 +47,8 @@ def open_checkpoint(
 
         model = str(default_model_path())
     path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(str(model)):
+        path = hub_snapshot(str(model))
     if path.is_file() and path.suffix == ".gguf":
         return open_gguf(path, tokenizer, load_tokenizer, convert_gguf)
     if path.is_dir() and (path / "config.json").exists():
@@ -54,9 +56,43 @@ def open_checkpoint(
     if path.is_dir():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     raise ValueError(
-        f"model {model!r} is neither a Hugging Face model directory nor a .gguf file; pagedllm loads local files "
-        "only (download the model first), or pass no model to use the embedded SmolLM2-135M-Instruct"
+        f"model {model!r} is neither a Hugging Face model directory nor a .gguf file, nor a hub id (org/name); pass "
+        "one of those, or no model to use the embedded SmolLM2-135M-Instruct"
     )
+
+
+# The files a model needs: config, weights, tokenizer and chat template (no .bin / .pth / .gguf copies of the weights)
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def is_hub_id(name: str) -> bool:
+    """'org/name' as the Hugging Face hub spells repository ids (a local path that does not exist looks the same:
+    the hub is asked only when no such path exists)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not name.endswith(".gguf")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The repository's files in the Hugging Face cache (downloaded where the hub is reachable; from the cache alone
+    with HF_HUB_OFFLINE=1 or without network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached (offline, or "
+            f"HF_HUB_OFFLINE=1): run `hf download {repo_id}` where the network is, or pass a local directory"
+        ) from None
+    except HfHubHTTPError as error:  # no such repository, a gated one without a token...
+        raise ValueError(f"model {repo_id!r}: the Hugging Face hub refused it: {error}") from None
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"model {repo_id!r} has no config.json (a GGUF-only repository?): download the .gguf file you want "
+            f"(`hf download {repo_id} FILE.gguf`) and pass its path"
+        )
+    return path
 
 
 def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -> Checkpoint:
