@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs, flag_named_error
@@ -94,22 +95,62 @@ def stream_reply(llm, conversation: list[dict], params) -> str:
     return text
 
 
+CHAT_HELP = (
+    "/exit or /quit (or exit, an empty line, Ctrl-D) ends the chat; /reset forgets the conversation; "
+    "/system TEXT sets the system prompt and starts over (/system alone removes it); /help shows this"
+)
+EXIT_WORDS = ("/exit", "/quit", "exit", "quit")
+
+
+def new_conversation(system: str | None) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def chat_command(text: str, system: str | None, conversation: list[dict]) -> tuple[str | None, list[dict]]:
+    """A /command typed in the chat: the system prompt and the conversation after it."""
+    name, _, argument = text.partition(" ")
+    if name == "/reset":
+        print("(conversation forgotten)", file=sys.stderr)
+        return system, new_conversation(system)
+    if name == "/system":
+        system = argument.strip() or None
+        print(f"(system prompt {'set' if system else 'removed'}; conversation started over)", file=sys.stderr)
+        return system, new_conversation(system)
+    if name != "/help":
+        print(f"unknown command {name}", file=sys.stderr)
+    print(CHAT_HELP, file=sys.stderr)
+    return system, conversation
+
+
+def enable_line_editing() -> None:
+    """Arrow keys and history for input() in a terminal (GNU readline, where Python has it)."""
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):  # Python built without readline: plain input()
+            import readline  # noqa: F401  (importing it is what turns line editing on)
+
+
 def run_chat(args: argparse.Namespace) -> None:
     params = sampling_params(args)
     llm = make_llm(args)
-    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    system = args.system
+    conversation = new_conversation(system)
     if args.message is not None:
         conversation.append({"role": "user", "content": args.message})
         stream_reply(llm, conversation, params)
         return
-    print("Chat with the model; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
+    enable_line_editing()
+    print("Chat with the model; /help lists the commands, an empty line or Ctrl-D ends the chat.", file=sys.stderr)
     while True:
         try:
             message = input("> ")
         except EOFError:
             break
-        if not message.strip():
+        text = message.strip()
+        if not text or text.lower() in EXIT_WORDS:
             break
+        if text.startswith("/"):
+            system, conversation = chat_command(text, system, conversation)
+            continue
         conversation.append({"role": "user", "content": message})
         conversation.append({"role": "assistant", "content": stream_reply(llm, conversation, params)})
 

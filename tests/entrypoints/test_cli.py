@@ -154,3 +154,28 @@ def test_chat_takes_the_sampling_flags():
         ["a", "b"],
         1,
     )
+
+
+def test_chat_commands_change_the_conversation(capsys):
+    from pagedllm.entrypoints.cli import chat_command
+
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat_command("/reset", "Be brief.", talk) == ("Be brief.", [{"role": "system", "content": "Be brief."}])
+    assert chat_command("/system Answer in French.", "Be brief.", talk) == (
+        "Answer in French.",
+        [{"role": "system", "content": "Answer in French."}],
+    )
+    assert chat_command("/system", "Be brief.", talk) == (None, [])
+    assert chat_command("/help", None, talk) == (None, talk)
+    assert chat_command("/nonsense", None, talk) == (None, talk)
+    assert "unknown command /nonsense" in capsys.readouterr().err
+
+
+def test_chat_commands_are_not_sent_and_exit_ends_the_chat(llama_dir):
+    """The tiny model has no chat template: a line sent to it would end the command with an error (status 2)."""
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--model", llama_dir, "--max-tokens", "4"]
+    result = subprocess.run(command, input="/help\n/reset\nexit\nnot sent\n", capture_output=True, text=True,
+                            timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "/reset forgets the conversation" in result.stderr and "(conversation forgotten)" in result.stderr
+    assert result.stdout.count("> ") == 3  # /help, /reset, exit: the chat ends there
