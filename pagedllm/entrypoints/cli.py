@@ -182,6 +182,13 @@ def run_generate(args: argparse.Namespace) -> None:
             print(completion.text, flush=True)
             if completion.logprobs is not None:
                 print(describe_logprobs(completion), flush=True)
+    tokenizer = llm.get_tokenizer()
+    if getattr(tokenizer, "chat_template", None) and any(not c.text.strip() for o in outputs for c in o.outputs):
+        print(
+            "pagedllm: an answer is empty: this is a chat model, which may end at once on a raw prompt; "
+            'try `pagedllm chat --message "..."`',
+            file=sys.stderr,
+        )
 
 
 def describe_logprobs(completion) -> str:

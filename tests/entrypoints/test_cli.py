@@ -179,3 +179,11 @@ def test_chat_commands_are_not_sent_and_exit_ends_the_chat(llama_dir):
     assert result.returncode == 0, result.stderr
     assert "/reset forgets the conversation" in result.stderr and "(conversation forgotten)" in result.stderr
     assert result.stdout.count("> ") == 3  # /help, /reset, exit: the chat ends there
+
+
+def test_an_empty_answer_of_a_chat_model_points_to_chat():
+    """The default model is a chat model: on this raw prompt it ends at once (greedy, so every time)."""
+    result = pagedllm("generate", "Write a short story about a robot.", "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+    assert 'try `pagedllm chat --message "..."`' in result.stderr
