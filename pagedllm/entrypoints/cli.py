@@ -21,12 +21,22 @@ def add_common_flags(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_flags(parser, command)
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedllm")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm",
         description="A small, readable LLM inference engine. Runs the embedded SmolLM2-135M-Instruct "
         "when no --model is given.",
     )
+    parser.add_argument("--version", action="version", version=f"pagedllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = commands.add_parser("chat", help="chat in the terminal, answers streamed as they are generated")
     chat.add_argument("--message", help="answer this one message and exit")

@@ -187,3 +187,10 @@ def test_an_empty_answer_of_a_chat_model_points_to_chat():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
     assert 'try `pagedllm chat --message "..."`' in result.stderr
+
+
+def test_version_and_python_dash_m():
+    version = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("pagedllm ")
+    bad = subprocess.run([sys.executable, "-m", "pagedllm", "frobnicate"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'frobnicate'" in bad.stderr

@@ -1,0 +1,7 @@
+"""`python -m pagedllm`: the `pagedllm` command."""
+
+import sys
+
+from pagedllm.entrypoints.cli import main
+
+sys.exit(main())
