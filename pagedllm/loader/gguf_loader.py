@@ -9,6 +9,7 @@ import hashlib
 import math
 import os
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from transformers import (
 
 from pagedllm import envs
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+from pagedllm.logger import logger
 
 # general.architecture -> the transformers config class of that family
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
@@ -96,7 +98,14 @@ def converted_copy(path: Path, write: bool) -> Path | None:
     When there is none: with `write`, convert and cache it now; otherwise, or if it cannot be written, None."""
     entry = default_cache_dir() / _cache_key(path, torch.float32)
     if write and not entry.is_dir():
+        logger.info(
+            "converting %s (%.0f MB) to float32 once, into %s (PAGEDLLM_CACHE_DIR sets where); later starts read it",
+            path.name, path.stat().st_size / 1e6, entry,
+        )  # fmt: skip
+        started = time.perf_counter()
         _write_cache(_convert(path, torch.float32), entry)
+        size = sum(file.stat().st_size for file in entry.rglob("*") if file.is_file()) if entry.is_dir() else 0
+        logger.info("converted in %.1f s: %.0f MB on disk", time.perf_counter() - started, size / 1e6)
     return entry if entry.is_dir() else None
 
 

@@ -16,7 +16,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedllm.loader.default_model import INSTALL_HINT, default_model_path
-from pagedllm.loader.gguf_loader import hf_name, load_gguf
+from pagedllm.loader.gguf_loader import converted_copy, hf_name, load_gguf
+from pagedllm.logger import logger
 
 ENGINE_CONFIG_FIELDS = (
     "model_type",
@@ -351,3 +352,16 @@ def test_truncated_file_is_a_value_error(tmp_path, kept_fraction):
     truncated.write_bytes(content[: int(len(content) * kept_fraction)])
     with pytest.raises(ValueError, match="truncated.gguf"):
         load_gguf(truncated, torch.float32, use_cache=False)
+
+
+def test_the_one_time_conversion_says_what_it_does_and_where(tmp_path, monkeypatch, caplog):
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", tiny_weights("llama", 16, tied=False), 16)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])  # ours does not propagate
+    with caplog.at_level("INFO", logger="pagedllm"):
+        entry = converted_copy(tmp_path / "tiny.gguf", write=True)
+        assert converted_copy(tmp_path / "tiny.gguf", write=True) == entry  # cached: converted once
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("converting tiny.gguf (") and str(entry) in messages[0]
+    assert "PAGEDLLM_CACHE_DIR" in messages[0] and messages[1].endswith("MB on disk")
