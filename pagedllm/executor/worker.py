@@ -131,11 +131,11 @@ class Worker:
         inputs.input_ids.index_copy_(0, inputs.placeholder_rows, tokens)
 
     def update_sampler(self, sampling: StepSampling) -> None:
-        """Releases first: a slot released and taken again in one plan starts clean."""
-        for slot in sampling.released_slots:
-            self.sampler.release(slot)
+        """Releases first: a state index released and taken again in one plan starts clean."""
+        for state_index in sampling.released_state_indices:
+            self.sampler.release(state_index)
         for request in sampling.new_requests:
-            self.sampler.add_request(request.slot, request.params, request.prompt_token_ids)
+            self.sampler.add_request(request.state_index, request.params, request.prompt_token_ids)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors | None:
         """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that

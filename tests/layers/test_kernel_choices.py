@@ -94,10 +94,10 @@ def test_the_sampler_runs_what_its_choices_say(compiled_calls):
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     tokens = {}
     for choices in (TORCH_KERNELS, KernelChoices(compile=True)):
-        sampler = Sampler(num_slots=2, vocab_size=64, device=torch.device("cpu"), seed=0, kernels=choices)
+        sampler = Sampler(num_states=2, vocab_size=64, device=torch.device("cpu"), seed=0, kernels=choices)
         assert sampler.kernels is choices and sampler.penalties.kernels is choices
-        for slot, p in enumerate(params):
-            sampler.add_request(slot, p, prompt_token_ids=[1, 2])
+        for state_index, p in enumerate(params):
+            sampler.add_request(state_index, p, prompt_token_ids=[1, 2])
         batch = build_sampling_batch(params, [0, 1], [0, 0])
         tokens[choices.compile] = sampler(logits.clone(), batch).sampled_token_ids.tolist()
         assert compiled_calls == ([] if not choices.compile else ["penalise", "exponential_race"])

@@ -63,7 +63,7 @@ def draw(cases: list[tuple], extra_rows: list[SamplingParams] = ()) -> tuple[lis
         SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for (t, k, p, m) in cases for _ in range(DRAWS)
     ] + list(extra_rows)
     batch = build_sampling_batch(params)
-    sampler = Sampler(num_slots=1, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
+    sampler = Sampler(num_states=1, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(len(params), 1)
     tokens = sampler(logits, batch).sampled_token_ids.numpy()
     frequencies = [np.bincount(tokens[i * DRAWS : (i + 1) * DRAWS], minlength=VOCAB) / DRAWS for i in range(len(cases))]
