@@ -26,9 +26,9 @@ import torch
 
 from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import KernelChoices
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 EOS = frozenset({0})
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)

@@ -25,7 +25,7 @@ from pagedllm.executor.cuda_graphs import DecodeGraphs
 from pagedllm.executor.step_inputs import StepBuffers
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.worker import Worker
-from pagedllm.layers.sampler import Sampler
+from pagedllm.sampling.sampler import Sampler
 from pagedllm.scheduler.scheduler import Scheduler
 
 # (name, owner, attribute): each is wrapped in place before the engine is built. Nested ones (the worker's parts

@@ -38,7 +38,7 @@ from pagedllm.engine.engine_core import (
     run_engine_core,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
 

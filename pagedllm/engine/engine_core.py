@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 # --- messages, frontend -> core ---------------------------------------------------------------------------------
 

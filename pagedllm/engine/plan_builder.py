@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
-from pagedllm.layers.sampling_batch import SamplingBatch, build_sampling_batch
+from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
 

@@ -29,14 +29,14 @@ from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.executor.worker import PROMPT_LOGPROB_CHUNK, Worker
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 # Start-up runs its largest steps with these settings, so the KV cache is sized after the sampler's largest
 # footprint: a full sort (top-p alone) and logprobs for every row.

@@ -24,8 +24,8 @@ from pagedllm.executor.plan_fields import (
     plan_array,
     plan_scalar,
 )
-from pagedllm.layers.sampling_batch import SamplingBatch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch
+from pagedllm.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -24,11 +24,11 @@ from pagedllm.executor.kv_cache import KVCache
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
-from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import TensorParallelGroup
-from pagedllm.layers.sampler import Sampler, TokenMask
-from pagedllm.layers.sampling_batch import array_to_device
 from pagedllm.models.spec import DecoderSpec
+from pagedllm.sampling.batch import array_to_device
+from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs
+from pagedllm.sampling.sampler import Sampler, TokenMask
 from pagedllm.structured_output.backend import bitmask_words
 
 # Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).

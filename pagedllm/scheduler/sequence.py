@@ -6,7 +6,7 @@ import enum
 from array import array
 from dataclasses import dataclass, field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 # Stands in token_ids for a token that a step still running on the device has sampled but not yet reported.
 PLACEHOLDER = -1

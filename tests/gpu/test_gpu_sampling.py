@@ -13,9 +13,9 @@ from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernel_selection import resolve_kernel_choices
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.sampler import Sampler
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,19 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers import sampling_state
 from pagedllm.layers.activation import SiluAndMul, silu_and_mul
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices, building_with_kernels, kernel_choices
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.models.llama import SelfAttention
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling import state as sampling_state
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 SPEC = DecoderSpec(
     architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -15,8 +15,8 @@ from pagedllm.executor.executor import Executor
 from pagedllm.executor.plan_fields import check_plan
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
-from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import SamplerOutput
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.logprobs import compute_logprobs
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.logprobs import compute_logprobs
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 VOCAB = 100
 

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers import sampling_state
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling import state as sampling_state
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 VOCAB = 64
 MODULES = (sampler_module, sampling_state)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import SamplingBatch, build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 # Eight tokens carry the mass; the 56 others are nearly impossible but must never be drawn once truncated away.
 HEAD = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]

@@ -9,9 +9,9 @@ from collections import Counter
 
 import torch
 
-from pagedllm.layers.sampler import Sampler, process_logits
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler, process_logits
 
 VOCAB = 40
 EOS = frozenset({1, 2})

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
-from pagedllm.layers.sampling_batch import PenaltyTensors, array_to_device
+from pagedllm.sampling.batch import PenaltyTensors, array_to_device
 
 
 class PenaltyState:

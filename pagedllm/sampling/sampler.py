@@ -23,10 +23,10 @@ import torch
 
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
-from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
-from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
-from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch, SamplingTensors, build_sampling_batch
+from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.state import PenaltyState, SeededGenerators
 from pagedllm.structured_output.bitmask import apply_bitmask
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import Sampler, SamplingTensors, is_plain_race, truncation_mask
-from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.sampler import Sampler, SamplingTensors, is_plain_race, truncation_mask
 
 
 def tensors(temperatures, top_ps=None, top_ks=None) -> SamplingTensors:
