@@ -160,7 +160,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(args: argparse.Namespace):
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "entrypoints"))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
     from server_process import start_server as start  # the tests' helper: a subprocess on a free port
 
     flags = ["--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--device", args.device]
