@@ -130,7 +130,7 @@ def engine_mode(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.bench import write_random_checkpoint
+    from pagedllm.entrypoints.bench_common import write_random_checkpoint
 
     checkpoint = Path("/tmp/pagedllm-bench/qwen3-0.6b")
     if not (checkpoint / "model.safetensors").exists():
