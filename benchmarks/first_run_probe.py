@@ -23,7 +23,8 @@ import torch
 import triton
 
 from pagedllm import LLM
-from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+from pagedllm.entrypoints.bench import timed_run
+from pagedllm.entrypoints.bench_common import nano_vllm_workload, write_random_checkpoint
 from pagedllm.entrypoints.bench_latency import random_prompt, time_to_first_token
 
 

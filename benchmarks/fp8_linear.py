@@ -19,6 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from pagedllm.entrypoints.bench_common import median_cuda_ms
 from pagedllm.kernels.fp8_quant import quantize as fused_quantize
 from pagedllm.layers.quantization.fp8 import (
     BLOCK,
@@ -63,15 +64,7 @@ def median_us(function, repeats: int = 15) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+    return median_cuda_ms(graph.replay, repeats, warmup=0) * 1e3 / CALLS_PER_GRAPH
 
 
 def variants(x: torch.Tensor, weight: torch.Tensor):

@@ -10,7 +10,7 @@ import timeit
 
 import msgspec
 
-from pagedllm.engine.engine_core import CompletionDelta, EngineStats, RequestDelta, StepOutputs
+from pagedllm.entrypoints.openai.core_loop import CompletionDelta, EngineStats, RequestDelta, StepOutputs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse
 from pagedllm.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, PromptInput, sse
 from pagedllm.outputs import CompletionOutput, RequestOutput

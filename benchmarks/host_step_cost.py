@@ -25,8 +25,8 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.executor.step_output import StepOutput
-from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.loader.checkpoint import open_checkpoint
+from pagedllm.sampling.sampler import SamplerOutput
 
 
 class InstantExecutor:

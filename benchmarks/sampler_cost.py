@@ -26,9 +26,9 @@ import torch
 
 from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import KernelChoices
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 EOS = frozenset({0})
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
@@ -84,13 +84,13 @@ def synchronize(device: torch.device) -> None:
 def measure(name: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
     params = [MIXES[name](row) for row in range(args.rows)]
     kernels = with_race(resolve_kernel_choices(None, device, head_dim=128), name in FUSED_MIXES)  # an engine's
-    sampler = Sampler(num_slots=args.rows, vocab_size=args.vocab, device=device, seed=0, kernels=kernels)
+    sampler = Sampler(num_states=args.rows, vocab_size=args.vocab, device=device, seed=0, kernels=kernels)
     generator = torch.Generator().manual_seed(0)
-    for slot, p in enumerate(params):  # a 512-token prompt each, then 64 sampled tokens counted for penalties
-        sampler.add_request(slot, p, torch.randint(args.vocab, (512,), generator=generator).tolist())
+    for state_index, p in enumerate(params):  # a 512-token prompt each, then 64 sampled tokens counted for penalties
+        sampler.add_request(state_index, p, torch.randint(args.vocab, (512,), generator=generator).tolist())
     logits = (torch.randn(args.rows, args.vocab, generator=generator) * 3).to(device)
-    slots, num_output_tokens = list(range(args.rows)), [64] * args.rows
-    batch = build_sampling_batch(params, slots, num_output_tokens, EOS)
+    state_indices, num_output_tokens = list(range(args.rows)), [64] * args.rows
+    batch = build_sampling_batch(params, state_indices, num_output_tokens, EOS)
     penalties = batch.to_device(device, sampler.generators.__getitem__, None, kernels.pin_memory).penalties
     for _ in range(64 if penalties is not None else 0):
         sampler.penalties.update(penalties, torch.randint(args.vocab, (args.rows,), generator=generator).to(device))
@@ -98,7 +98,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> tuple[
     sampler_ms, build_ms = [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        batch = build_sampling_batch(params, slots, num_output_tokens, EOS)
+        batch = build_sampling_batch(params, state_indices, num_output_tokens, EOS)
         build_ms.append((time.perf_counter() - start) * 1e3)
         step_logits = logits.clone()
         synchronize(device)
@@ -130,7 +130,7 @@ def engine_mode(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.bench import write_random_checkpoint
+    from pagedllm.entrypoints.bench_common import write_random_checkpoint
 
     checkpoint = Path("/tmp/pagedllm-bench/qwen3-0.6b")
     if not (checkpoint / "model.safetensors").exists():

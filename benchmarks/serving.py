@@ -27,15 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from pagedllm.entrypoints.bench_common import nano_vllm_workload
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def workload(num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], max_token_id: int = 10000):
-    """nano-vllm's workload (its ranges by default), with the same random sequence."""
-    random.seed(0)
-    prompts = [[random.randint(0, max_token_id) for _ in range(random.randint(*input_len))] for _ in range(num_seqs)]
-    output_lens = [random.randint(*output_len) for _ in range(num_seqs)]
-    return prompts, output_lens
 
 
 @dataclass
@@ -160,7 +154,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(args: argparse.Namespace):
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "entrypoints"))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
     from server_process import start_server as start  # the tests' helper: a subprocess on a free port
 
     flags = ["--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--device", args.device]
@@ -266,13 +260,15 @@ def main() -> None:
     if args.shape:  # random bf16 weights of a real model's shape, no tokenizer, as the offline GPU benchmark
         import torch
 
-        from pagedllm.entrypoints.bench import write_random_checkpoint
+        from pagedllm.entrypoints.bench_common import write_random_checkpoint
 
         checkpoint = Path("/tmp/pagedllm-bench") / args.shape
         if not (checkpoint / "model.safetensors").exists():
             write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
         args.model = str(checkpoint)
-    prompts, output_lens = workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.max_token_id)
+    prompts, output_lens = nano_vllm_workload(
+        args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.max_token_id
+    )
     server = None if args.base_url else start_server(args)
     base_url = args.base_url or server.base_url
     try:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.entrypoints.bench import measure_ceilings
+from pagedllm.entrypoints.bench_common import measure_ceilings, median_cuda_ms
 from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.kernels.skinny_gemm import skinny_linear
 from pagedllm.layers.linear import linear_method
@@ -30,17 +29,7 @@ TILES = [dict(block_n=n, block_k=k) for n, k in itertools.product((16, 32, 64), 
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_cuda_ms(graph.replay, repeats, warmup=5)
 
 
 def step_graph(weights, inputs, product) -> torch.cuda.CUDAGraph:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM
-from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+from pagedllm.entrypoints.bench import timed_run
+from pagedllm.entrypoints.bench_common import nano_vllm_workload, write_random_checkpoint
 from pagedllm.trace.tracer import Tracer
 
 TRACER_HOOKS = ("describe_step", "on_step", "request_arrived", "request_finished")

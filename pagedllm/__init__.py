@@ -2,7 +2,7 @@
 
 from pagedllm.llm import LLM
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

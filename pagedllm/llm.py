@@ -12,7 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import check_conversation
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 from pagedllm.trace.step_record import StepRecord
 
 Prompt = str | dict

@@ -179,7 +179,8 @@ def main() -> None:
     import torch
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run, write_random_checkpoint
+    from pagedllm.entrypoints.bench import timed_run
+    from pagedllm.entrypoints.bench_common import nano_vllm_workload, write_random_checkpoint
 
     cuda = torch.cuda.is_available()
     checkpoint = Path(args.checkpoint or f"/tmp/pagedllm-bench/{args.shape}")

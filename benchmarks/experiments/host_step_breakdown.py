@@ -25,7 +25,7 @@ from pagedllm.executor.cuda_graphs import DecodeGraphs
 from pagedllm.executor.step_inputs import StepBuffers
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.worker import Worker
-from pagedllm.layers.sampler import Sampler
+from pagedllm.sampling.sampler import Sampler
 from pagedllm.scheduler.scheduler import Scheduler
 
 # (name, owner, attribute): each is wrapped in place before the engine is built. Nested ones (the worker's parts
@@ -85,7 +85,8 @@ def main() -> None:
     import torch
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run
+    from pagedllm.entrypoints.bench import timed_run
+    from pagedllm.entrypoints.bench_common import nano_vllm_workload
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", default="/tmp/pagedllm-bench/tinyllama-1.1b", help="written by pagedllm bench")

@@ -47,7 +47,8 @@ atexit.register(report)
 
 def main() -> None:
     from pagedllm import LLM
-    from pagedllm.entrypoints.bench import nano_vllm_workload, timed_run
+    from pagedllm.entrypoints.bench import timed_run
+    from pagedllm.entrypoints.bench_common import nano_vllm_workload
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", default="/tmp/pagedllm-bench/tinyllama-1.1b", help="written by pagedllm bench")

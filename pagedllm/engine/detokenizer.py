@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 # Tokens decoded before the undecoded tail when it is flushed: enough context for a leading space or a merge.
 FLUSH_CONTEXT = 4

@@ -24,7 +24,7 @@ from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence

@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
-from pagedllm.layers.sampling_batch import SamplingBatch, build_sampling_batch
+from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
 
@@ -44,8 +44,8 @@ def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
 
 
 class LastSamplingBatch:
-    """The previous step's sampling batch and the sequences it sampled for. A request's SamplingParams and slot stay
-    the same while it runs, so a step that samples for the same sequences in the same order has the same batch
+    """The previous step's sampling batch and the sequences it sampled for. A request's SamplingParams and state index
+    stay    the same while it runs, so a step that samples for the same sequences in the same order has the same batch
     (most decode steps), unless a row has min_tokens: its bans depend on its output count, so such batches are
     never kept."""
 
@@ -57,7 +57,7 @@ class LastSamplingBatch:
 def step_sampling(
     batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan], last: LastSamplingBatch
 ) -> StepSampling:
-    slots = [seq.slot for seq in owners]
+    state_indices = [seq.state_index for seq in owners]
     if last.batch is not None and owners == last.owners:  # Sequences compare by identity
         sampling_batch = last.batch
     else:
@@ -68,16 +68,16 @@ def step_sampling(
         if any([p.min_tokens for p in params]):
             num_output_tokens = [seq.num_output_tokens for seq in owners]
             eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
-        sampling_batch = build_sampling_batch(params, slots, num_output_tokens, eos_token_ids)
+        sampling_batch = build_sampling_batch(params, state_indices, num_output_tokens, eos_token_ids)
         last.owners, last.batch = owners, sampling_batch if num_output_tokens is None else None
     targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
     return StepSampling(
         batch=sampling_batch,
-        row_slots=np.array(slots, dtype=np.int64),
-        released_slots=batch.released_slots,
+        row_state_indices=np.array(state_indices, dtype=np.int64),
+        released_state_indices=batch.released_state_indices,
         new_requests=[
-            SamplerRequest(seq.slot, seq.request_id, seq.sampling_params, seq.token_ids[: seq.num_prompt_tokens])
-            for seq in batch.new_slot_holders
+            SamplerRequest(seq.state_index, seq.request_id, seq.sampling_params, seq.token_ids[: seq.num_prompt_tokens])
+            for seq in batch.new_state_holders
         ],
         prompt_logprob_token_ids=np.fromiter(chain.from_iterable(targets), np.int64),
         num_prompt_logprobs=max((s.seq.sampling_params.prompt_logprobs for s in spans), default=0),

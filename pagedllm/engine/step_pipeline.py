@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.engine.logprobs import prompt_position_logprobs, sampled_position_logprobs
 from pagedllm.engine.plan_builder import LastSamplingBatch, PromptLogprobSpan, build_step_plan
 from pagedllm.executor.executor import Executor
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepSampling
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.sampling.logprobs import LogprobsTensors, position_logprobs, sampled_position_logprobs
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
 from pagedllm.scheduler.sequence import Sequence
 from pagedllm.trace.step_record import StepDetail, StepRecord
@@ -184,3 +184,17 @@ class StepPipeline:
             for span, entries in zip(spans, positions)
             if not span.seq.is_finished
         ]
+
+
+def prompt_position_logprobs(
+    spans: list[PromptLogprobSpan],
+    logprobs: LogprobsTensors,
+    next_token_ids: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> list[list[PositionLogprobs]]:
+    """Each span's entries: the logprobs tensors hold the spans' rows one after the other, each row's chosen token
+    being the prompt token it predicts."""
+    num_logprobs = [span.seq.sampling_params.prompt_logprobs for span in spans for _ in range(span.num_rows)]
+    positions = position_logprobs(logprobs, next_token_ids, num_logprobs, decode)
+    bounds = list(itertools.accumulate((span.num_rows for span in spans), initial=0))
+    return [positions[start:end] for start, end in itertools.pairwise(bounds)]

@@ -11,102 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from pagedllm.entrypoints.bench_common import (
+    SHAPES,
+    device_time_per_step,
+    measure_ceilings,
+    nano_vllm_workload,
+    write_random_checkpoint,
+)
 from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs
-from pagedllm.entrypoints.profiling import device_time_per_step
-
-SHAPES = {
-    "qwen3-0.6b": dict(
-        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-    "tinyllama-1.1b": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, tie_word_embeddings=False,
-        max_position_embeddings=2048 * 2,
-    ),
-    "llama3.2-1b": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192), rope_theta=500000.0,
-    ),
-    # The 8B class users serve on an H200, where fp8 weights pay (benchmarks/NOTES.md, "FP8 weights"): 16 GB of bf16
-    "llama3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=131072,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192), rope_theta=500000.0,
-    ),
-}  # fmt: skip
-
-
-def write_random_checkpoint(shape: str, directory: Path, device: torch.device) -> Path:
-    """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    config.architectures = [type(model).__name__]
-    generator = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, param in model.state_dict().items():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(param.shape, dtype=torch.bfloat16)
-        else:
-            random_values = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
-            tensors[name] = (random_values * 0.02).to(torch.bfloat16).cpu()
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / "model.safetensors")
-    config.save_pretrained(directory)
-    return directory
-
-
-def nano_vllm_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_seqs)]
-    output_lens = [random.randint(100, 1024) for _ in range(num_seqs)]
-    return prompts, output_lens
-
-
-def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s on random data, device copy bytes/s counting read + write), medians of 10."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    source = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
-    target = torch.empty_like(source)
-    matmul_ms = median_cuda_ms(lambda: a @ b)
-    copy_ms = median_cuda_ms(lambda: target.copy_(source))
-    return 2 * 8192**3 / (matmul_ms / 1e3), 2 * source.nbytes / (copy_ms / 1e3)
-
-
-def median_cuda_ms(function, repeats: int = 10) -> float:
-    for _ in range(3):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 @dataclass

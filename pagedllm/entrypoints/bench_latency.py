@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.profiling import device_time_per_step
+from pagedllm.entrypoints.bench_common import device_time_per_step
 
 LONG_CONTEXT = 32_000
 

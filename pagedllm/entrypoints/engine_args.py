@@ -75,7 +75,7 @@ def name_flags(message: str, names: Iterable[str]) -> str:
 
 def flag_named_error(error: Exception, args: argparse.Namespace) -> str:
     """The error's message with every engine and sampling setting that is a flag of this command named as the flag."""
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling.params import SamplingParams
 
     settings = set(DEFAULTS) | {field.name for field in fields(SamplingParams)}
     return name_flags(str(error), [name for name in vars(args) if name in settings])

@@ -28,7 +28,7 @@ SEQS = RowKind("num_seqs", "seqs")
 QUERY_STARTS = RowKind("num_seqs", "seqs", extra=1, token_offsets=True)
 # A block-table row per sequence, except the empty sequences that pad a prompt step: their rows are never read.
 TABLE_ROWS = RowKind("num_table_rows", "seqs")
-SAMPLED = RowKind("num_sampled", "seqs")  # one per slot at most: max_num_seqs
+SAMPLED = RowKind("num_sampled", "seqs")  # one per state index at most: max_num_seqs
 PLACEHOLDERS = RowKind("num_placeholders", "seqs")
 MASKED = RowKind("num_masked", "seqs")  # the sampled rows a grammar constrains (structured outputs): some of SAMPLED
 PROMPT_LOGPROB_ROWS = RowKind("num_prompt_logprob_rows", "tokens")

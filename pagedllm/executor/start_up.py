@@ -29,14 +29,14 @@ from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.executor.worker import PROMPT_LOGPROB_CHUNK, Worker
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 # Start-up runs its largest steps with these settings, so the KV cache is sized after the sampler's largest
 # footprint: a full sort (top-p alone) and logprobs for every row.
@@ -76,7 +76,7 @@ def free_dropped_engines() -> None:
 
 def load_model(worker: Worker, checkpoint: Checkpoint) -> tuple[nn.Module, AttentionBackend, Sampler | None]:
     """This rank's shard of the model, built with the kernel choices and the tensor-parallel group, and its weights;
-    the attention backend; on rank 0 (the one that samples) the sampler, one slot per sequence the scheduler may have
+    the attention backend; on rank 0 (the one that samples) the sampler, one state per sequence the scheduler may have
     admitted at once (max_num_seqs), whose penalty counts are allocated at once on CUDA.
     Order: before size_kv_cache, because the cache takes the memory left: a penalised request never runs out later.
     Guard: none (it would take a full GPU)."""
@@ -159,9 +159,9 @@ def capture_graphs(worker: Worker) -> tuple[PrefillGraphs, DecodeGraphs]:
 
 
 def prime_first_request(worker: Worker) -> None:
-    """On CUDA, what a first request would otherwise pay for: the sampler's compiled paths (its warm-up takes slots 0
-    and 1, so before any request), torch's caching allocator refilled (sizing the cache emptied it), the lm head's
-    row counts, the pinned pool.
+    """On CUDA, what a first request would otherwise pay for: the sampler's compiled paths (its warm-up takes state
+    indices 0 and 1, so before any request), torch's caching allocator refilled (sizing the cache emptied it), the lm
+    head's row counts, the pinned pool.
     Order: last, after capture_graphs, because the refill runs the largest steps on the real cache as requests will,
     graphs and all, so that the allocator keeps what requests' steps take beside the graphs' pool.
     Guard: tests/gpu/test_gpu_first_run.py, test_a_fresh_engines_first_run_is_as_fast_as_its_later_ones (no
@@ -268,7 +268,7 @@ def synthetic_plan(worker: Worker, block_tables: np.ndarray, seq_len: int) -> St
         decode_only=seq_len == 1,
         sampling=StepSampling(
             batch=build_sampling_batch([WARMUP_SAMPLING] * num_seqs),
-            row_slots=np.zeros(num_seqs, dtype=np.int64),  # no state: these settings need none
+            row_state_indices=np.zeros(num_seqs, dtype=np.int64),  # no state: these settings need none
             prompt_logprob_token_ids=np.zeros(num_prompt_logprob_rows, dtype=np.int64),
             num_prompt_logprobs=WARMUP_PROMPT_LOGPROBS,
         )

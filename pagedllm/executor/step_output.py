@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.logprobs import LogprobsTensors
-from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.sampling.logprobs import LogprobsTensors
+from pagedllm.sampling.sampler import SamplerOutput
 
 
 class HostMark:

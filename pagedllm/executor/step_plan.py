@@ -24,15 +24,16 @@ from pagedllm.executor.plan_fields import (
     plan_array,
     plan_scalar,
 )
-from pagedllm.layers.sampling_batch import SamplingBatch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch
+from pagedllm.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)
 class SamplerRequest:
-    """A sequence that took a slot: the sampler sets up its state there (penalty counts, seeded generator)."""
+    """A sequence that took a state index: the sampler sets up its state at that index (penalty counts,
+    seeded generator)."""
 
-    slot: int
+    state_index: int
     request_id: str
     params: SamplingParams  # one sample's: n = 1, and its own seed
     prompt_token_ids: list[int]  # for repetition_penalty, which counts prompt tokens too
@@ -43,9 +44,9 @@ class StepSampling:
     """The part of a plan only the sampling rank needs (rank 0; None on the other tensor-parallel ranks)."""
 
     batch: SamplingBatch  # per sample row: temperatures, truncation, seeds, penalties, logprobs
-    row_slots: np.ndarray  # [num_sampled] int64: each sample row's slot
-    # Applied before this step samples, releases first (a slot released and taken again in one plan is reset).
-    released_slots: list[int] = field(default_factory=list)
+    row_state_indices: np.ndarray  # [num_sampled] int64: each sample row's state index
+    # Applied before this step samples, releases first (an index released and taken again in one plan is reset).
+    released_state_indices: list[int] = field(default_factory=list)
     new_requests: list[SamplerRequest] = field(default_factory=list)
     # The prompt token each prompt_logprob_rows row predicts, and the largest top-N asked for among those rows.
     prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))

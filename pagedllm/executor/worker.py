@@ -24,11 +24,11 @@ from pagedllm.executor.kv_cache import KVCache
 from pagedllm.executor.step_inputs import StepBuffers, StepInputs, pad_decode_plan, pad_prefill_plan, wrap_plan
 from pagedllm.executor.step_output import StepEvents, StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling
-from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.layers.parallel_state import TensorParallelGroup
-from pagedllm.layers.sampler import Sampler, TokenMask
-from pagedllm.layers.sampling_batch import array_to_device
 from pagedllm.models.spec import DecoderSpec
+from pagedllm.sampling.batch import array_to_device
+from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs
+from pagedllm.sampling.sampler import Sampler, TokenMask
 from pagedllm.structured_output.backend import bitmask_words
 
 # Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
@@ -132,11 +132,11 @@ class Worker:
         inputs.input_ids.index_copy_(0, inputs.placeholder_rows, tokens)
 
     def update_sampler(self, sampling: StepSampling) -> None:
-        """Releases first: a slot released and taken again in one plan starts clean."""
-        for slot in sampling.released_slots:
-            self.sampler.release(slot)
+        """Releases first: a state index released and taken again in one plan starts clean."""
+        for state_index in sampling.released_state_indices:
+            self.sampler.release(state_index)
         for request in sampling.new_requests:
-            self.sampler.add_request(request.slot, request.params, request.prompt_token_ids)
+            self.sampler.add_request(request.state_index, request.params, request.prompt_token_ids)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors | None:
         """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that

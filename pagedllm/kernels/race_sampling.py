@@ -1,4 +1,4 @@
-"""The exponential race (layers/sampler.py) in one read of the logits: the Exp(1) noise is made in registers by
+"""The exponential race (sampling/sampler.py) in one read of the logits: the Exp(1) noise is made in registers by
 Philox and never stored. Each row takes argmax(logits / T - log E), E ~ Exp(1) per token, which samples
 softmax(logits / T); a row with T == 0 takes the plain argmax. Ties go to the lowest column, as torch.argmax.
 

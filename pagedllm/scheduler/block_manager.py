@@ -82,7 +82,7 @@ class BlockManager:
         seq.num_hashed_blocks = len(block_ids)
         seq.num_computed_tokens = len(block_ids) * self.block_size
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate_blocks_for(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold num_new_tokens more; False (and no change) if there are too few free.
         A partly filled last block that other sequences share is first replaced by a private copy."""
         needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

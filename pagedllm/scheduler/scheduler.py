@@ -4,9 +4,9 @@ Each step a running sequence gets min(uncomputed tokens, budget left): decodes f
 chunks, then waiting requests in arrival order. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
 
-Slots: a sequence takes a slot (0..max_num_seqs-1, the index of its sampling state on the device) when it is first
-admitted, with one for each of its forks (n > 1), and keeps it through preemption until it ends. A request is
-admitted only when slots are free for all its samples, so admitted sequences, running or preempted, never number
+State indices: a sequence takes a state index (0..max_num_seqs-1, the index of its sampling state on the device) when
+it is first admitted, with one for each of its forks (n > 1), and keeps it through preemption until it ends. A request
+is admitted only when indices are free for all its samples, so admitted sequences, running or preempted, never number
 more than max_num_seqs.
 """
 
@@ -23,8 +23,8 @@ from pagedllm.scheduler.sequence import FINISHED, PLACEHOLDER, RUNNING, WAITING,
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens computed this step
-    new_slot_holders: list[Sequence] = field(default_factory=list)  # took a slot in this schedule (forks too)
-    released_slots: list[int] = field(default_factory=list)  # slots of sequences that ended since the last batch
+    new_state_holders: list[Sequence] = field(default_factory=list)  # took a state index in this schedule (forks too)
+    released_state_indices: list[int] = field(default_factory=list)  # of sequences that ended since the last batch
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): before the step
 
     @property
@@ -44,12 +44,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: slot 0 first
-        self.released_slots: list[int] = []  # handed to the device side with the next batch
+        self.free_state_indices = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: 0 first
+        self.released_state_indices: list[int] = []  # handed to the device side with the next batch
 
     def add(self, seq: Sequence) -> None:
         """Queue a request's first sample; its other samples ride along in seq.forks."""
-        assert 1 + len(seq.forks) <= self.max_num_seqs, "a request needs a slot for each of its samples"
+        assert 1 + len(seq.forks) <= self.max_num_seqs, "a request needs a state index for each of its samples"
         for sample in (seq, *seq.forks):
             max_tokens = sample.sampling_params.max_tokens
             longest = self.max_model_len if max_tokens is None else sample.num_prompt_tokens + max_tokens
@@ -70,7 +70,7 @@ class Scheduler:
             if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new_tokens):
+            while not self.block_manager.allocate_blocks_for(seq, num_new_tokens):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -80,13 +80,13 @@ class Scheduler:
             else:
                 scheduled[seq] = num_new_tokens
                 budget -= num_new_tokens
-        new_slot_holders: list[Sequence] = []
+        new_state_holders: list[Sequence] = []
         if not preempted:  # admitting now would only take blocks that running requests need
-            self._admit_waiting(scheduled, budget, new_slot_holders)
-        batch = ScheduledBatch(list(scheduled), list(scheduled.values()), new_slot_holders)
+            self._admit_waiting(scheduled, budget, new_state_holders)
+        batch = ScheduledBatch(list(scheduled), list(scheduled.values()), new_state_holders)
         batch.block_copies = self.block_manager.take_pending_copies()
         if not batch.is_empty():  # an empty batch reaches no device: keep the releases for the next one
-            batch.released_slots, self.released_slots = self.released_slots, []
+            batch.released_state_indices, self.released_state_indices = self.released_state_indices, []
         return batch
 
     def _runnable(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -103,24 +103,24 @@ class Scheduler:
                 chunks.append(seq)
         return decodes, chunks
 
-    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, new_slot_holders: list[Sequence]) -> None:
+    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, new_state_holders: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.slot < 0 and len(self.free_slots) < 1 + len(seq.forks):
-                break  # first admission: every sample of the request needs a slot
+            if seq.state_index < 0 and len(self.free_state_indices) < 1 + len(seq.forks):
+                break  # first admission: every sample of the request needs a state index
             # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
             cached_blocks = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             self.block_manager.take_cached_prefix(seq, cached_blocks)
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new_tokens):
+            if not self.block_manager.allocate_blocks_for(seq, num_new_tokens):
                 self.block_manager.free(seq)
                 break
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            if seq.slot < 0:
+            if seq.state_index < 0:
                 for holder in (seq, *seq.forks):
-                    holder.slot = self.free_slots.pop()
-                    new_slot_holders.append(holder)
+                    holder.state_index = self.free_state_indices.pop()
+                    new_state_holders.append(holder)
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
@@ -244,10 +244,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = FINISHED
         seq.finish_reason = reason
-        if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
-            self.released_slots.append(seq.slot)
-            seq.slot = -1
+        if seq.state_index >= 0:
+            self.free_state_indices.append(seq.state_index)
+            self.released_state_indices.append(seq.state_index)
+            seq.state_index = -1
 
     def abort(self, request_id: str) -> list[Sequence]:
         """End every sample of the request, wherever it is (forks not yet taken out end with their first sample)."""

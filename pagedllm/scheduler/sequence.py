@@ -6,7 +6,7 @@ import enum
 from array import array
 from dataclasses import dataclass, field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 # Stands in token_ids for a token that a step still running on the device has sampled but not yet reported.
 PLACEHOLDER = -1
@@ -44,7 +44,7 @@ class Sequence:
     pending_sample_index: int = -1
     # Index of the device-side sampling state (penalty counts, seeded generator), from first admission to the end:
     # 0..max_num_seqs-1, or -1 while it holds none.
-    slot: int = -1
+    state_index: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     # The length at which it ends (max_tokens output tokens or max_model_len), set by Scheduler.add: both are fixed
     # for its lifetime (the engine's own copy of the SamplingParams is never changed after add_request).

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 TEXT = " France is Paris, the capital. The end."
 

@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.executor.executor import Executor
 from pagedllm.executor.step_output import StepEvents, StepOutput
-from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.sampling.sampler import SamplerOutput
 
 TOKEN = 11
 PROMPTS = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(3)]

@@ -126,21 +126,22 @@ def test_aborting_a_request_ends_every_sample(llama_dir):
     engine = llm.llm_engine
     engine.add_request("before-fork", {"prompt_token_ids": PROMPT_37}, PARAMS)
     engine.add_request("single", {"prompt_token_ids": PROMPT_32}, SamplingParams(max_tokens=40))
-    engine.step()  # the first 16-token chunk of the n = 4 request: its four slots are taken, the forks hold no block
-    assert len(engine.scheduler.free_slots) == 1
+    # The first 16-token chunk of the n = 4 request: its four state indices are taken, the forks hold no block.
+    engine.step()
+    assert len(engine.scheduler.free_state_indices) == 1
     engine.abort_request("before-fork")
-    assert len(engine.scheduler.free_slots) == N + 1
+    assert len(engine.scheduler.free_state_indices) == N + 1
     engine.add_request("after-fork", {"prompt_token_ids": PROMPT_32}, PARAMS)
     for _ in range(8):
         engine.step()
     running = [seq.request_id for seq in engine.scheduler.running]
-    assert sorted(running) == ["after-fork"] * N + ["single"] and not engine.scheduler.free_slots
+    assert sorted(running) == ["after-fork"] * N + ["single"] and not engine.scheduler.free_state_indices
     engine.abort_request("after-fork")
-    assert len(engine.scheduler.free_slots) == N
+    assert len(engine.scheduler.free_state_indices) == N
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_block_held(llm)
-    assert sorted(engine.scheduler.free_slots) == list(range(N + 1))
+    assert sorted(engine.scheduler.free_state_indices) == list(range(N + 1))
 
 
 def test_copy_on_write_copies_fp8_scales_too(llama_dir):

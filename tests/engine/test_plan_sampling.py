@@ -16,9 +16,9 @@ from pagedllm.scheduler.sequence import Sequence
 EOS = 2
 
 
-def sequence(name: str, slot: int, **params) -> Sequence:
+def sequence(name: str, state_index: int, **params) -> Sequence:
     seq = Sequence(name, [5, 6, 7], SamplingParams(**params), eos_token_ids=frozenset({EOS}))
-    seq.slot = slot
+    seq.state_index = state_index
     return seq
 
 

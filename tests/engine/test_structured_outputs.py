@@ -165,7 +165,7 @@ def test_n_samples_each_follow_the_grammar_as_requests_seeded_seed_plus_i(llama_
 def test_the_mask_leaves_finite_exactly_the_tokens_the_matcher_allows(llama_dir, backend, monkeypatch):
     """Every step's logits, after the sampler: a constrained row's finite tokens are the ones its matcher allowed
     at that point (replayed from a fresh matcher); an unconstrained row in the same batch is untouched."""
-    import pagedllm.layers.sampler as sampler_module
+    import pagedllm.sampling.sampler as sampler_module
 
     steps = []  # (logits after the sampler, the masked rows) of each step that had a mask
     sample_tokens = sampler_module.sample_tokens

@@ -9,8 +9,8 @@ import pytest
 from pagedllm.executor.plan_broadcast import header_size, pack_plan, unpack_plan
 from pagedllm.executor.plan_fields import plan_arrays, plan_scalars
 from pagedllm.executor.step_plan import StepPlan, StepSampling
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
 
 ARRAYS = tuple(name for name, spec in plan_arrays(StepPlan) if spec.broadcast)
 # What every rank reads today; whatever a later field declares comes on top.

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.entrypoints.openai.async_engine import AsyncLLM
 from pagedllm.executor.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ from conftest import VOCAB_SIZE
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernel_selection import resolve_kernel_choices
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.sampler import Sampler
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,7 +45,7 @@ def run_sampler(device: torch.device, logits: list[torch.Tensor], noise: list[to
     """MIXED over several steps on `device`. noise None: record every Exp(1) noise tensor drawn; else replay those
     (the generators of CPU and CUDA differ, the arithmetic on the same draws must not)."""
     kernels = resolve_kernel_choices(None, device, head_dim=64)  # an engine's on that device
-    sampler = Sampler(num_slots=len(MIXED), vocab_size=VOCAB, device=device, seed=0, kernels=kernels)
+    sampler = Sampler(num_states=len(MIXED), vocab_size=VOCAB, device=device, seed=0, kernels=kernels)
     if device.type == "cuda":
         sampler.warmup()  # as the worker does: the compiled paths, before any request
     recorded = []
@@ -60,8 +60,8 @@ def run_sampler(device: torch.device, logits: list[torch.Tensor], noise: list[to
     sampler_module.exponential_noise = noise_source
     try:
         with torch.inference_mode():
-            for slot, params in enumerate(MIXED):
-                sampler.add_request(slot, params, prompt_token_ids=[2, 3, 3, 5])
+            for state_index, params in enumerate(MIXED):
+                sampler.add_request(state_index, params, prompt_token_ids=[2, 3, 3, 5])
             steps = []
             for step, step_logits in enumerate(logits):
                 batch = build_sampling_batch(MIXED, range(len(MIXED)), [step] * len(MIXED), EOS)

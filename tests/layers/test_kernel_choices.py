@@ -7,19 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers import sampling_state
 from pagedllm.layers.activation import SiluAndMul, silu_and_mul
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices, building_with_kernels, kernel_choices
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
 from pagedllm.models.llama import SelfAttention
 from pagedllm.models.registry import build_model
 from pagedllm.models.spec import DecoderSpec
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling import state as sampling_state
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 SPEC = DecoderSpec(
     architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -94,10 +94,10 @@ def test_the_sampler_runs_what_its_choices_say(compiled_calls):
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     tokens = {}
     for choices in (TORCH_KERNELS, KernelChoices(compile=True)):
-        sampler = Sampler(num_slots=2, vocab_size=64, device=torch.device("cpu"), seed=0, kernels=choices)
+        sampler = Sampler(num_states=2, vocab_size=64, device=torch.device("cpu"), seed=0, kernels=choices)
         assert sampler.kernels is choices and sampler.penalties.kernels is choices
-        for slot, p in enumerate(params):
-            sampler.add_request(slot, p, prompt_token_ids=[1, 2])
+        for state_index, p in enumerate(params):
+            sampler.add_request(state_index, p, prompt_token_ids=[1, 2])
         batch = build_sampling_batch(params, [0, 1], [0, 0])
         tokens[choices.compile] = sampler(logits.clone(), batch).sampled_token_ids.tolist()
         assert compiled_calls == ([] if not choices.compile else ["penalise", "exponential_race"])

@@ -1,6 +1,6 @@
 """Property-based tests: random add / step / abort programs, run through the engine's own step protocol
 (StepPipeline, synchronous and overlapped) on a fake device, keep the scheduler's and block manager's invariants,
-also for requests of several samples (n > 1: shared blocks, forks, copy-on-write) and their slots."""
+also for requests of several samples (n > 1: shared blocks, forks, copy-on-write) and their state indices."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pagedllm.executor.executor import Executor
 from pagedllm.executor.plan_fields import check_plan
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
-from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import SamplerOutput
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -38,12 +38,12 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
     block_manager = scheduler.block_manager
     block_manager.check_invariants(holders=scheduler.running)
     assert len(scheduler.running) <= scheduler.max_num_seqs
-    # A slot is held from first admission to the end, by one sequence at a time: running ones hold one, finished
-    # ones none, and held plus free slots are all the slots.
-    slots = [seq.slot for seq in all_seqs if seq.slot >= 0]
-    assert sorted(slots + scheduler.free_slots) == list(range(scheduler.max_num_seqs))
-    assert all(seq.slot >= 0 for seq in scheduler.running)
-    assert all(seq.slot == -1 for seq in all_seqs if seq.is_finished)
+    # A state index is held from first admission to the end, by one sequence at a time: running ones hold one, finished
+    # ones none, and held plus free state indices are all of them.
+    state_indices = [seq.state_index for seq in all_seqs if seq.state_index >= 0]
+    assert sorted(state_indices + scheduler.free_state_indices) == list(range(scheduler.max_num_seqs))
+    assert all(seq.state_index >= 0 for seq in scheduler.running)
+    assert all(seq.state_index == -1 for seq in all_seqs if seq.is_finished)
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
     for seq in scheduler.running:
@@ -66,14 +66,14 @@ def check(scheduler: Scheduler, all_seqs: list[Sequence]) -> None:
 class FakeWorker:
     """An Executor standing in for the device: each sampled row gets its request's signature token (the request id
     as an int), so a token handed to the wrong sequence shows. It checks what a real worker relies on: a placeholder
-    input is filled from a row of the step in flight, and only there; a row's slot was registered for its request
-    and not released since, and no slot is held twice."""
+    input is filled from a row of the step in flight, and only there; a row's state index was registered for its request
+    and not released since, and no state index is held twice."""
 
     device = torch.device("cpu")
 
     def __init__(self, num_kv_blocks: int):
         self.num_kv_blocks = num_kv_blocks
-        self.slot_owners: dict[int, str] = {}  # slot -> request id, as the sampler would hold state there
+        self.state_owners: dict[int, str] = {}  # state index -> request id, as the sampler would hold state there
 
     def set_device_timings(self, on: bool) -> None:
         """No device: nothing to time."""
@@ -89,12 +89,12 @@ class FakeWorker:
             assert previous is not None
             assert all(0 <= source < len(previous.token_ids()) for source in plan.placeholder_sources)
         assert plan.num_tokens <= MAX_BUDGET
-        for slot in plan.sampling.released_slots:
-            del self.slot_owners[slot]
+        for state_index in plan.sampling.released_state_indices:
+            del self.state_owners[state_index]
         for request in plan.sampling.new_requests:
-            assert request.slot not in self.slot_owners, f"slot {request.slot} is held twice"
-            self.slot_owners[request.slot] = request.request_id
-        signatures = [int(self.slot_owners[slot]) for slot in plan.sampling.row_slots.tolist()]
+            assert request.state_index not in self.state_owners, f"state index {request.state_index} is held twice"
+            self.state_owners[request.state_index] = request.request_id
+        signatures = [int(self.state_owners[state_index]) for state_index in plan.sampling.row_state_indices.tolist()]
         return StepOutput(plan.step_id, SamplerOutput(torch.tensor(signatures, dtype=torch.int64)))
 
 
@@ -124,7 +124,7 @@ def run_program(operations, scheduler: Scheduler, step, busy) -> list[Sequence]:
     for op in operations:
         if op[0] == "add":
             _, prompt, max_tokens, stops, num_samples = op
-            # the engine rejects requests that could never fit or have more samples than slots; mirror that here
+            # the engine rejects requests that could never fit or have more samples than state indices; mirror that here
             if (
                 block_manager.blocks_for_tokens(min(len(prompt) + max_tokens, MAX_MODEL_LEN))
                 <= block_manager.num_blocks

@@ -1,1 +1,2 @@
-"""The OpenAI-compatible server (`pagedllm serve`); needs the `serve` extra: pip install 'pagedllm[serve]'."""
+"""The OpenAI-compatible server (`pagedllm serve`) and the engine behind it: AsyncLLM, and the core loop that steps
+the engine in its own process. Needs the `serve` extra: pip install 'pagedllm[serve]'."""

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm import envs
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.engine_args import engine_kwargs
+from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from pagedllm.engine.async_engine import FinishedRequestStats
-from pagedllm.engine.engine_core import EngineStats
+from pagedllm.entrypoints.openai.async_engine import FinishedRequestStats
+from pagedllm.entrypoints.openai.core_loop import EngineStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0]

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from pagedllm.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.logprobs import compute_logprobs
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.logprobs import compute_logprobs
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 VOCAB = 100
 
@@ -22,10 +22,10 @@ def test_logprobs_of_the_rows_that_asked_equal_log_softmax():
         SamplingParams(logprobs=2, top_p=0.3, presence_penalty=1.0, min_tokens=4, stop_token_ids=[7]),
         SamplingParams(logprobs=VOCAB, seed=4),  # the whole vocabulary, ranked
     ]
-    sampler = Sampler(num_slots=len(params), vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
-    for slot, p in enumerate(params):
-        sampler.add_request(slot, p, prompt_token_ids=[3, 7, 9])
-    batch = build_sampling_batch(params, slots=range(len(params)), num_output_tokens=[0] * len(params))
+    sampler = Sampler(num_states=len(params), vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
+    for state_index, p in enumerate(params):
+        sampler.add_request(state_index, p, prompt_token_ids=[3, 7, 9])
+    batch = build_sampling_batch(params, state_indices=range(len(params)), num_output_tokens=[0] * len(params))
     for _ in range(3):  # later steps see penalties from earlier samples: logprobs stay raw
         logits = torch.randn(len(params), VOCAB) * 4
         raw = torch.log_softmax(logits, dim=-1)

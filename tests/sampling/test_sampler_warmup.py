@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers import sampler as sampler_module
-from pagedllm.layers import sampling_state
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling import sampler as sampler_module
+from pagedllm.sampling import state as sampling_state
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 VOCAB = 64
 MODULES = (sampler_module, sampling_state)
@@ -63,18 +63,20 @@ def random_params(rng: random.Random) -> SamplingParams:
 
 def test_warmup_runs_every_compiled_function_at_one_row_and_at_several(calls):
     assert {name for _, name in COMPILED} == {"exponential_race", "exponential_race_min_p", "penalise"}
-    sampler = Sampler(num_slots=8, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
+    sampler = Sampler(num_states=8, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
     sampler.warmup()
     warmed = set(calls)
     assert warmed == {(name, shape) for _, name in COMPILED for shape in ("one row", "rows")}
-    assert not sampler.penalties.active_slots and not sampler.generators.by_slot  # it leaves no state behind
+    assert (
+        not sampler.penalties.active_state_indices and not sampler.generators.by_state_index
+    )  # it leaves no state behind
     calls.clear()
     rng = random.Random(0)
     for _ in range(200):  # whatever a batch holds, it calls nothing that the warm-up did not
         params = [random_params(rng) for _ in range(rng.randint(1, 6))]
-        for slot, p in enumerate(params):
-            sampler.add_request(slot, p, prompt_token_ids=[1, 2])
+        for state_index, p in enumerate(params):
+            sampler.add_request(state_index, p, prompt_token_ids=[1, 2])
         sampler(torch.randn(len(params), VOCAB), build_sampling_batch(params, range(len(params)), [0] * len(params)))
-        for slot in range(len(params)):
-            sampler.release(slot)
+        for state_index in range(len(params)):
+            sampler.release(state_index)
     assert calls and calls <= warmed

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "0123456789"]
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 NAN, INF = math.nan, math.inf
 BAD = [  # (field, value, exception, words the message must hold)

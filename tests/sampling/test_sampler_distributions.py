@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.sampling_batch import SamplingBatch, build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler
 
 # Eight tokens carry the mass; the 56 others are nearly impossible but must never be drawn once truncated away.
 HEAD = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]
@@ -63,7 +63,7 @@ def draw(cases: list[tuple], extra_rows: list[SamplingParams] = ()) -> tuple[lis
         SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for (t, k, p, m) in cases for _ in range(DRAWS)
     ] + list(extra_rows)
     batch = build_sampling_batch(params)
-    sampler = Sampler(num_slots=1, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
+    sampler = Sampler(num_states=1, vocab_size=VOCAB, device=torch.device("cpu"), seed=0)
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(len(params), 1)
     tokens = sampler(logits, batch).sampled_token_ids.numpy()
     frequencies = [np.bincount(tokens[i * DRAWS : (i + 1) * DRAWS], minlength=VOCAB) / DRAWS for i in range(len(cases))]

@@ -1,4 +1,4 @@
-"""The engine core: a loop that owns one LLMEngine, takes requests and aborts from a zmq socket, steps the engine,
+"""The engine core's loop: it owns one LLMEngine, takes requests and aborts from a zmq socket, steps the engine,
 and sends each step's new tokens and text (deltas) plus engine statistics back, encoded with msgspec.
 
 It runs in its own process (AsyncLLM's default, as vLLM V1 does) or in a thread of the caller's process.
@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 # --- messages, frontend -> core ---------------------------------------------------------------------------------
 
@@ -124,7 +124,10 @@ class SentProgress:
     sent_any: bool = False
 
 
-class EngineCore:
+class CoreLoop:
+    """Serves one LLMEngine to a frontend over two sockets. In vLLM's terms this is EngineCoreProc, the busy loop
+    around the sockets; what vLLM calls EngineCore (schedule, execute, update, one step at a time) is LLMEngine."""
+
     def __init__(self, engine, input_socket: zmq.Socket, output_socket: zmq.Socket):
         self.engine = engine
         self.input_socket = input_socket
@@ -275,7 +278,7 @@ def ready_message(engine, tokenizer_dir: str) -> Ready:
     return Ready(engine.max_model_len, engine.spec.vocab_size, engine.block_manager.num_blocks, saved_dir)
 
 
-def run_engine_core(
+def run_core_loop(
     config: EngineConfig,
     input_address: str,
     output_address: str,
@@ -310,7 +313,7 @@ def run_engine_core(
         if engine is not None:
             parent = multiprocessing.parent_process() if in_child else None
             parent_alive = parent.is_alive if parent is not None else lambda: True
-            EngineCore(engine, input_socket, output_socket).run(parent_alive)
+            CoreLoop(engine, input_socket, output_socket).run(parent_alive)
     finally:
         input_socket.close(linger=0)
         output_socket.close(linger=1000)
@@ -318,9 +321,9 @@ def run_engine_core(
             context.term()
 
 
-def engine_core_process_main(*args) -> None:
-    """Entry point of the engine-core process: Ctrl-C goes to the frontend, which shuts the core down."""
+def core_process_main(*args) -> None:
+    """Entry point of the engine core's process: Ctrl-C goes to the frontend, which shuts the core down."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine_core(*args)
+    run_core_loop(*args)

@@ -9,9 +9,9 @@ from collections import Counter
 
 import torch
 
-from pagedllm.layers.sampler import Sampler, process_logits
-from pagedllm.layers.sampling_batch import build_sampling_batch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.sampler import Sampler, process_logits
 
 VOCAB = 40
 EOS = frozenset({1, 2})
@@ -63,18 +63,18 @@ def test_processed_logits_equal_the_reference():
     prompts[0] = [5, 5, 5, 6]
     outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 10))] for _ in range(num_rows)]
     outputs[0] = [7, 7]
-    sampler = Sampler(num_slots=num_rows + 3, vocab_size=VOCAB, device=CPU, seed=0)
-    slots = [num_rows + 2 - row for row in range(num_rows)]  # slots need not follow rows
+    sampler = Sampler(num_states=num_rows + 3, vocab_size=VOCAB, device=CPU, seed=0)
+    state_indices = [num_rows + 2 - row for row in range(num_rows)]  # state indices need not follow rows
     for row in range(num_rows):
-        sampler.add_request(slots[row], params[row], prompts[row])
+        sampler.add_request(state_indices[row], params[row], prompts[row])
     for step in range(max(map(len, outputs))):  # feed the histories as if sampled, only rows still generating
         rows = [row for row in range(num_rows) if len(outputs[row]) > step]
-        batch = build_sampling_batch([params[r] for r in rows], [slots[r] for r in rows], [step] * len(rows))
+        batch = build_sampling_batch([params[r] for r in rows], [state_indices[r] for r in rows], [step] * len(rows))
         tensors = batch.to_device(CPU, sampler.generators.__getitem__, None)
         if tensors.penalties is not None:
             sampler.penalties.update(tensors.penalties, torch.tensor([outputs[r][step] for r in rows]))
     logits = torch.randn(num_rows, VOCAB) * 3
-    batch = build_sampling_batch(params, slots, [len(output) for output in outputs], EOS)
+    batch = build_sampling_batch(params, state_indices, [len(output) for output in outputs], EOS)
     tensors = batch.to_device(CPU, sampler.generators.__getitem__, None)
     processed = process_logits(logits.clone(), tensors, sampler.penalties)
     for row in range(num_rows):
@@ -92,19 +92,20 @@ def test_min_tokens_bans_eos_and_stop_tokens_only_below_min_tokens():
 
 
 def test_penalty_counts_on_the_device_equal_a_recount():
-    """Sampled tokens are counted on the device; slots without penalties are not counted; a reused slot restarts."""
+    """Sampled tokens are counted on the device; state indices without penalties are not counted; a reused index
+    restarts."""
     torch.manual_seed(0)
     penalised = SamplingParams(frequency_penalty=0.1, seed=1)
     params = [penalised, SamplingParams(), penalised, SamplingParams(repetition_penalty=1.2, temperature=0)]
-    sampler = Sampler(num_slots=4, vocab_size=VOCAB, device=CPU, seed=0)
-    for slot, p in enumerate(params):
-        sampler.add_request(slot, p, prompt_token_ids=[3, 4])
-    batch = build_sampling_batch(params, slots=[0, 1, 2, 3])
+    sampler = Sampler(num_states=4, vocab_size=VOCAB, device=CPU, seed=0)
+    for state_index, p in enumerate(params):
+        sampler.add_request(state_index, p, prompt_token_ids=[3, 4])
+    batch = build_sampling_batch(params, state_indices=[0, 1, 2, 3])
     sampled = [sampler(torch.randn(4, VOCAB), batch).sampled_token_ids for _ in range(30)]
     recount = torch.stack([torch.bincount(tokens, minlength=VOCAB) for tokens in torch.stack(sampled, 1)])
     counts = sampler.penalties.output_counts
-    for slot in (0, 2, 3):
-        assert torch.equal(counts[slot], recount[slot].int())
+    for state_index in (0, 2, 3):
+        assert torch.equal(counts[state_index], recount[state_index].int())
     assert not counts[1].any()
     sampler.release(2)
     sampler.add_request(2, penalised, prompt_token_ids=[5])
@@ -112,10 +113,10 @@ def test_penalty_counts_on_the_device_equal_a_recount():
 
 
 def test_a_batch_without_penalties_allocates_nothing():
-    sampler = Sampler(num_slots=4, vocab_size=VOCAB, device=CPU, seed=0)
+    sampler = Sampler(num_states=4, vocab_size=VOCAB, device=CPU, seed=0)
     params = [SamplingParams(top_p=0.9, seed=3), SamplingParams(logit_bias={1: 2.0})]
-    for slot, p in enumerate(params):
-        sampler.add_request(slot, p, prompt_token_ids=[3])
-    batch = build_sampling_batch(params, slots=[0, 1])
+    for state_index, p in enumerate(params):
+        sampler.add_request(state_index, p, prompt_token_ids=[3])
+    batch = build_sampling_batch(params, state_indices=[0, 1])
     sampler(torch.randn(2, VOCAB), batch)
     assert sampler.penalties.output_counts is None and batch.penalty_rows is None

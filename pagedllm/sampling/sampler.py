@@ -23,10 +23,10 @@ import torch
 
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
-from pagedllm.layers.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
-from pagedllm.layers.sampling_batch import SamplingBatch, SamplingTensors, build_sampling_batch
-from pagedllm.layers.sampling_state import PenaltyState, SeededGenerators
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.batch import SamplingBatch, SamplingTensors, build_sampling_batch
+from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.state import PenaltyState, SeededGenerators
 from pagedllm.structured_output.bitmask import apply_bitmask
 
 # One batch for each compiled function: the exponential race, the race with min-p, penalise (on CUDA every mix of
@@ -60,41 +60,42 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples a step's rows and owns the per-request device state that sampling needs, keyed by request slot."""
+    """Samples a step's rows and owns the per-request device state that sampling needs, keyed by request state index."""
 
     def __init__(
-        self, num_slots: int, vocab_size: int, device: torch.device, seed: int, kernels: KernelChoices = TORCH_KERNELS
+        self, num_states: int, vocab_size: int, device: torch.device, seed: int, kernels: KernelChoices = TORCH_KERNELS
     ):
         """kernels: which kernels sample (plain torch unless given; the worker passes the engine's choices)."""
         self.device, self.kernels = device, kernels
-        self.penalties = PenaltyState(num_slots, vocab_size, device, kernels)
+        self.penalties = PenaltyState(num_states, vocab_size, device, kernels)
         self.generators = SeededGenerators(device)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
-    def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def add_request(self, state_index: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         if params.uses_penalties:
-            self.penalties.add_request(slot, prompt_token_ids)
+            self.penalties.add_request(state_index, prompt_token_ids)
         if params.seed is not None and not params.greedy:
-            self.generators.add_request(slot, params.seed)
+            self.generators.add_request(state_index, params.seed)
 
-    def release(self, slot: int) -> None:
-        self.penalties.release(slot)
-        self.generators.release(slot)
+    def release(self, state_index: int) -> None:
+        self.penalties.release(state_index)
+        self.generators.release(state_index)
 
     @torch.inference_mode()  # as the worker's steps run: compiled code is guarded on the grad mode
     def warmup(self) -> None:
         """Run every compiled path at 1 row and at 2 rows (torch.compile specialises a batch of one row; 2 stands
-        for every larger size), so that no step meets a compilation later. Takes slots 0 and 1 and releases them:
-        call it before any request is added. The batches are seeded, so the engine's own random stream is untouched."""
+        for every larger size), so that no step meets a compilation later. Takes state indices 0 and 1 and releases
+        them: call it before any request is added. The batches are seeded, so the engine's own random stream is
+        untouched."""
         for params in WARMUP_PARAMS:
             for num_rows in (1, 2):
-                slots = list(range(num_rows))
-                for slot in slots:
-                    self.add_request(slot, params, prompt_token_ids=[0])
-                batch = build_sampling_batch([params] * num_rows, slots, num_output_tokens=[0] * num_rows)
+                state_indices = list(range(num_rows))
+                for state_index in state_indices:
+                    self.add_request(state_index, params, prompt_token_ids=[0])
+                batch = build_sampling_batch([params] * num_rows, state_indices, num_output_tokens=[0] * num_rows)
                 self(torch.zeros(num_rows, self.penalties.vocab_size, device=self.device), batch)
-                for slot in slots:
-                    self.release(slot)
+                for state_index in state_indices:
+                    self.release(state_index)
         if self.kernels.sampler == "triton_race":  # one Triton specialisation serves every batch size
             temperatures = torch.tensor([0.8, 0.0], device=self.device)
             logits = torch.zeros(len(temperatures), self.penalties.vocab_size, device=self.device)

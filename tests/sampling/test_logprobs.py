@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.engine.logprobs import position_logprobs
-from pagedllm.layers.logprobs import compute_logprobs
 from pagedllm.outputs import Logprob
+from pagedllm.sampling.logprobs import compute_logprobs, position_logprobs
 
 
 def test_each_row_gets_its_own_top_n_and_the_chosen_token():

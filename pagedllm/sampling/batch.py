@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Host side, one entry per sampled row. Rows are positions in the step's logits; slots are the per-request
-    indices (0..max_num_seqs-1) of the device-side state (penalty counts, seeded generators)."""
+    """Host side, one entry per sampled row. Rows are positions in the step's logits; state indices are the
+    per-request    indices (0..max_num_seqs-1) of the device-side state (penalty counts, seeded generators)."""
 
     temperatures: np.ndarray  # [rows] float32; 0 = greedy
     top_ps: np.ndarray | None = None  # [rows] float32
@@ -24,20 +24,21 @@ class SamplingBatch:
     # > 0: every non-greedy row keeps at most this many tokens, so topk() of that many replaces a full sort.
     top_k_candidates: int = 0
     seeded_rows: np.ndarray | None = None  # [seeded] int64: rows drawing from their request's own generator
-    seeded_slots: np.ndarray | None = None  # [seeded] int64
+    seeded_state_indices: np.ndarray | None = None  # [seeded] int64
     # Sparse additions to the logits: logit_bias, and -inf for EOS / stop_token_ids of rows still below min_tokens.
     adjusted_rows: np.ndarray | None = None  # [n] int64
     adjusted_token_ids: np.ndarray | None = None  # [n] int64
     adjustments: np.ndarray | None = None  # [n] float32
     penalty_rows: np.ndarray | None = None  # [p] int64: rows with any penalty
-    penalty_slots: np.ndarray | None = None  # [p] int64
+    penalty_state_indices: np.ndarray | None = None  # [p] int64
     presence_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
     frequency_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
     repetition_penalties: np.ndarray | None = None  # [p] float32; None when all are 1
     logprob_rows: np.ndarray | None = None  # [r] int64: rows that asked for logprobs
     num_logprobs: np.ndarray | None = None  # [r] int64: how many top logprobs each of them asked for
     # The batch on the sampling device, made by the first step that samples it. A batch is reused while the same
-    # sequences sample (plan_builder.LastSamplingBatch), and its rows' slots, generators and settings stay the same
+    # sequences sample (plan_builder.LastSamplingBatch), and its rows' state indices, generators and settings stay the
+    # same
     # meanwhile, so later steps take these tensors as they are: the sampler never writes into them.
     on_device: SamplingTensors | None = field(default=None, repr=False, compare=False)
 
@@ -56,7 +57,7 @@ class SamplingBatch:
     def to_device(
         self,
         device: torch.device,
-        generator_for_slot: Callable[[int], torch.Generator],
+        generator_for: Callable[[int], torch.Generator],
         default_generator: torch.Generator | None,
         pin_memory: bool = False,
     ) -> SamplingTensors:
@@ -64,8 +65,8 @@ class SamplingBatch:
         the seeded rows' generators."""
         generators = {}
         if self.seeded_rows is not None:
-            for row, slot in zip(self.seeded_rows.tolist(), self.seeded_slots.tolist()):
-                generators[row] = generator_for_slot(slot)
+            for row, state_index in zip(self.seeded_rows.tolist(), self.seeded_state_indices.tolist()):
+                generators[row] = generator_for(state_index)
         upload = lambda array: None if array is None else array_to_device(array, device, pin_memory)
         temperatures = upload(self.temperatures)
         divisors = temperatures  # what the racing rows divide their logits by; greedy rows take 1
@@ -80,7 +81,7 @@ class SamplingBatch:
         if self.penalty_rows is not None:
             penalties = PenaltyTensors(
                 rows=None if len(self.penalty_rows) == self.num_rows else upload(self.penalty_rows),
-                slots=upload(self.penalty_slots),
+                state_indices=upload(self.penalty_state_indices),
                 presence=upload(self.presence_penalties),
                 frequency=upload(self.frequency_penalties),
                 repetition=upload(self.repetition_penalties),
@@ -122,7 +123,7 @@ class LogitAdjustments:
 @dataclass(slots=True)
 class PenaltyTensors:
     rows: torch.Tensor | None  # [p] int64; None: every row
-    slots: torch.Tensor  # [p] int64: each row's slot in the PenaltyState
+    state_indices: torch.Tensor  # [p] int64: each row's state index in the PenaltyState
     presence: torch.Tensor | None  # [p] float32; None: all 0
     frequency: torch.Tensor | None  # [p] float32; None: all 0
     repetition: torch.Tensor | None  # [p] float32; None: all 1
@@ -150,11 +151,12 @@ class SamplingTensors:
 
 def build_sampling_batch(
     params: Sequence[SamplingParams],
-    slots: Sequence[int] | None = None,
+    state_indices: Sequence[int] | None = None,
     num_output_tokens: Sequence[int] | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingBatch:
-    """params[i] is row i's request. slots: each row's request slot (needed when a row has penalties or a seed).
+    """params[i] is row i's request. state_indices: each row's request state index (needed when a row has penalties or a
+    seed).
     num_output_tokens: tokens each row's request has generated before this sample (needed for min_tokens)."""
     temperatures = np.array([p.temperature for p in params], dtype=np.float32)
     batch = SamplingBatch(temperatures)
@@ -175,11 +177,11 @@ def build_sampling_batch(
         batch.min_ps = np.array(min_ps, dtype=np.float32)
     seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
     if seeded:
-        assert slots is not None, "seeded rows need their request slots"
+        assert state_indices is not None, "seeded rows need their request state indices"
         batch.seeded_rows = np.array(seeded, dtype=np.int64)
-        batch.seeded_slots = np.array([slots[row] for row in seeded], dtype=np.int64)
+        batch.seeded_state_indices = np.array([state_indices[row] for row in seeded], dtype=np.int64)
     add_adjustments(batch, params, num_output_tokens, eos_token_ids)
-    add_penalties(batch, params, slots)
+    add_penalties(batch, params, state_indices)
     asked = [row for row, p in enumerate(params) if p.logprobs is not None]
     if asked:
         batch.logprob_rows = np.array(asked, dtype=np.int64)
@@ -212,13 +214,13 @@ def add_adjustments(
         batch.adjustments = np.array(values, dtype=np.float32)
 
 
-def add_penalties(batch: SamplingBatch, params: Sequence[SamplingParams], slots: Sequence[int] | None) -> None:
+def add_penalties(batch: SamplingBatch, params: Sequence[SamplingParams], state_indices: Sequence[int] | None) -> None:
     rows = [row for row, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return
-    assert slots is not None, "rows with penalties need their request slots"
+    assert state_indices is not None, "rows with penalties need their request state indices"
     batch.penalty_rows = np.array(rows, dtype=np.int64)
-    batch.penalty_slots = np.array([slots[row] for row in rows], dtype=np.int64)
+    batch.penalty_state_indices = np.array([state_indices[row] for row in rows], dtype=np.int64)
     presence = np.array([params[row].presence_penalty for row in rows], dtype=np.float32)
     frequency = np.array([params[row].frequency_penalty for row in rows], dtype=np.float32)
     repetition = np.array([params[row].repetition_penalty for row in rows], dtype=np.float32)

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.engine_core import (
+from pagedllm.entrypoints.openai.core_loop import (
     AbortRequests,
     AddRequest,
     CoreOutput,
@@ -34,11 +34,11 @@ from pagedllm.engine.engine_core import (
     Shutdown,
     StartupFailed,
     StepOutputs,
-    engine_core_process_main,
-    run_engine_core,
+    core_process_main,
+    run_core_loop,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.params import SamplingParams
 
 STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
 
@@ -224,14 +224,14 @@ class AsyncLLM:
         core_args = (self.config, input_address, output_address, f"{self.work_dir}/tokenizer", num_threads)
         if core_in_thread:
             self.core = threading.Thread(
-                target=run_engine_core, args=core_args, kwargs={"context": self.context}, daemon=True
+                target=run_core_loop, args=core_args, kwargs={"context": self.context}, daemon=True
             )
         else:
             # A daemonic process may not start processes of its own, as a tensor-parallel core does for its ranks:
             # such a core is not daemonic, and interpreter exit ends it through shutdown() instead.
             daemon = self.config.tensor_parallel_size == 1
             self.core = multiprocessing.get_context("spawn").Process(
-                target=engine_core_process_main, args=core_args, daemon=daemon, name="pagedllm-engine-core"
+                target=core_process_main, args=core_args, daemon=daemon, name="pagedllm-engine-core"
             )
             if not daemon:
                 atexit.register(self.shutdown)

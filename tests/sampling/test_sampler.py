@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.sampler import Sampler, SamplingTensors, is_plain_race, truncation_mask
-from pagedllm.layers.sampling_batch import build_sampling_batch
+from pagedllm.sampling.batch import build_sampling_batch
+from pagedllm.sampling.sampler import Sampler, SamplingTensors, is_plain_race, truncation_mask
 
 
 def tensors(temperatures, top_ps=None, top_ks=None) -> SamplingTensors:
@@ -24,7 +24,7 @@ def tensors(temperatures, top_ps=None, top_ks=None) -> SamplingTensors:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """One call of a fresh Sampler (unseeded rows draw from its generator)."""
-    sampler = Sampler(num_slots=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=0)
+    sampler = Sampler(num_states=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=0)
     return sampler(logits.clone(), build_sampling_batch(params)).sampled_token_ids
 
 
@@ -56,7 +56,7 @@ def test_only_greedy_and_unseeded_untruncated_rows_are_a_plain_race():
 
     def plain(*params: SamplingParams) -> bool:
         batch = build_sampling_batch(params, range(len(params)), [0] * len(params))
-        return is_plain_race(batch.to_device(torch.device("cpu"), lambda slot: torch.Generator(), None))
+        return is_plain_race(batch.to_device(torch.device("cpu"), lambda state_index: torch.Generator(), None))
 
     race, greedy = SamplingParams(temperature=0.6), SamplingParams(temperature=0)
     assert plain(race, greedy, SamplingParams(temperature=0, seed=3))  # a greedy row's seed draws nothing
@@ -87,12 +87,12 @@ def test_a_reused_batch_is_uploaded_once_and_samples_as_fresh_batches():
     logits = torch.randn(3, 100)
 
     def draws(batches) -> list[list[int]]:
-        sampler = Sampler(num_slots=3, vocab_size=100, device=torch.device("cpu"), seed=0)
+        sampler = Sampler(num_states=3, vocab_size=100, device=torch.device("cpu"), seed=0)
         sampler.add_request(2, params[2], prompt_token_ids=[0])
         return [sampler(logits.clone(), batch).sampled_token_ids.tolist() for batch in batches]
 
-    reused = build_sampling_batch(params, slots=[0, 1, 2])
-    assert draws([reused] * 4) == draws([build_sampling_batch(params, slots=[0, 1, 2]) for _ in range(4)])
+    reused = build_sampling_batch(params, state_indices=[0, 1, 2])
+    assert draws([reused] * 4) == draws([build_sampling_batch(params, state_indices=[0, 1, 2]) for _ in range(4)])
     on_device = reused.on_device
     draws([reused])
     assert reused.on_device is on_device
@@ -112,11 +112,12 @@ def test_seeded_request_is_reproducible_whatever_the_batch(llama_dir):
 
 
 def run_sampler(params: list[SamplingParams], logits: torch.Tensor, seed: int = 0, steps: int = 1) -> list[list[int]]:
-    """Each row's tokens over `steps` calls on the same logits, with a fresh Sampler whose slots are the rows."""
-    sampler = Sampler(num_slots=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=seed)
-    for slot, p in enumerate(params):
-        sampler.add_request(slot, p, prompt_token_ids=[0])
-    batch = build_sampling_batch(params, slots=list(range(len(params))))
+    """Each row's tokens over `steps` calls on the same logits, with a fresh Sampler whose state indices are the
+    rows."""
+    sampler = Sampler(num_states=len(params), vocab_size=logits.shape[-1], device=torch.device("cpu"), seed=seed)
+    for state_index, p in enumerate(params):
+        sampler.add_request(state_index, p, prompt_token_ids=[0])
+    batch = build_sampling_batch(params, state_indices=list(range(len(params))))
     return torch.stack([sampler(logits.clone(), batch).sampled_token_ids for _ in range(steps)], dim=1).tolist()
 
 

@@ -1,11 +1,18 @@
-"""Logprobs on the device: each row's top-N tokens, and the logprob and rank of one chosen token per row
-(the sampled token, or for prompt logprobs the next prompt token)."""
+"""Logprobs on the device (each row's top-N tokens, and the logprob and rank of one chosen token per row: the sampled
+token, or for prompt logprobs the next prompt token), and on the host as vLLM's per-position dicts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from pagedllm.outputs import Logprob, PositionLogprobs
+
+if TYPE_CHECKING:
+    from pagedllm.sampling.batch import SamplingBatch
 
 
 @dataclass(slots=True)
@@ -42,3 +49,35 @@ def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: i
     token_logprobs = logprobs.gather(1, token_ids[:, None])
     token_ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
     return LogprobsTensors(top_token_ids, top_logprobs, token_logprobs.squeeze(1), token_ranks)
+
+
+def position_logprobs(
+    logprobs: LogprobsTensors,
+    chosen_token_ids: list[int],
+    num_logprobs: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> list[PositionLogprobs]:
+    """Row i: the chosen token first, then the row's top num_logprobs[i] tokens (rank 1, 2, ...).
+    decode: a token id's text for Logprob.decoded_token (None leaves it None)."""
+    top_ids, top_logprobs = logprobs.top_token_ids.tolist(), logprobs.top_logprobs.tolist()
+    token_logprobs, token_ranks = logprobs.token_logprobs.tolist(), logprobs.token_ranks.tolist()
+    text = decode or (lambda token_id: None)
+    positions = []
+    for row, token_id in enumerate(chosen_token_ids):
+        entries = {token_id: Logprob(token_logprobs[row], token_ranks[row], text(token_id))}
+        for rank, (top_id, top_logprob) in enumerate(zip(top_ids[row][: num_logprobs[row]], top_logprobs[row]), 1):
+            entries.setdefault(top_id, Logprob(top_logprob, rank, text(top_id)))
+        positions.append(entries)
+    return positions
+
+
+def sampled_position_logprobs(
+    batch: SamplingBatch,
+    logprobs: LogprobsTensors,
+    sampled_token_ids: list[int],
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, PositionLogprobs]:
+    """Sample row -> its entries, for the rows of batch.logprob_rows (sampled_token_ids: every row's token)."""
+    rows = batch.logprob_rows.tolist()
+    chosen = [sampled_token_ids[row] for row in rows]
+    return dict(zip(rows, position_logprobs(logprobs, chosen, batch.num_logprobs.tolist(), decode)))
