@@ -5,6 +5,7 @@ default SmolLM2 model (Llama, Q4_1/Q8_0) and for tiny Qwen2/Qwen3/Llama files wr
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import gguf
@@ -354,14 +355,18 @@ def test_truncated_file_is_a_value_error(tmp_path, kept_fraction):
         load_gguf(truncated, torch.float32, use_cache=False)
 
 
-def test_the_one_time_conversion_says_what_it_does_and_where(tmp_path, monkeypatch, caplog):
+def test_the_one_time_conversion_says_what_it_does_and_where(tmp_path, monkeypatch):
     write_tiny_gguf(tmp_path / "tiny.gguf", "llama", tiny_weights("llama", 16, tied=False), 16)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(logger, "handlers", [*logger.handlers, caplog.handler])  # ours does not propagate
-    with caplog.at_level("INFO", logger="pagedllm"):
-        entry = converted_copy(tmp_path / "tiny.gguf", write=True)
-        assert converted_copy(tmp_path / "tiny.gguf", write=True) == entry  # cached: converted once
-    messages = [record.getMessage() for record in caplog.records]
+    messages = []
+    collect = logging.Handler()
+    collect.emit = lambda record: messages.append(record.getMessage())
+    # only this handler, whatever other tests did to the logger's handlers, level or propagation
+    monkeypatch.setattr(logger, "handlers", [collect])
+    monkeypatch.setattr(logger, "propagate", False)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    entry = converted_copy(tmp_path / "tiny.gguf", write=True)
+    assert converted_copy(tmp_path / "tiny.gguf", write=True) == entry  # cached: converted once
     assert len(messages) == 2, messages
     assert messages[0].startswith("converting tiny.gguf (") and str(entry) in messages[0]
     assert "PAGEDLLM_CACHE_DIR" in messages[0] and messages[1].endswith("MB on disk")
