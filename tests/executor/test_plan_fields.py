@@ -4,12 +4,13 @@ consumer lists the plan's fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from test_step_inputs import make_plan as random_plan
 
 from pagedllm.executor.cuda_graphs import DecodeGraphs, PrefillGraphs
 from pagedllm.executor.plan_broadcast import header_size, pack_plan, unpack_plan
@@ -32,26 +33,17 @@ class DraftPlan(StepPlan):
 
 
 def make_plan(query_lens: list[int], seed: int, width: int = WIDTH) -> DraftPlan:
-    rng = np.random.default_rng(seed)
-    num_seqs, num_tokens = len(query_lens), sum(query_lens)
-    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    seq_lens = (np.array(query_lens) + rng.integers(0, 20, num_seqs)).astype(np.int32)
-    return DraftPlan(
-        step_id=seed,
-        input_ids=rng.integers(0, 1000, num_tokens),
-        positions=rng.integers(0, 100, num_tokens),
-        slot_mapping=rng.integers(0, 500, num_tokens),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=rng.integers(0, 50, (num_seqs, width)).astype(np.int32),
-        sample_rows=query_start_loc[1:].astype(np.int64) - 1,
-        max_query_len=max(query_lens),
-        max_seq_len=int(seq_lens.max()),
-        decode_only=max(query_lens) == 1,
+    """test_step_inputs' random plan, with the fields declared here filled in too."""
+    base = random_plan(query_lens, seed, width)
+    rng = np.random.default_rng(seed + 1)
+    num_seqs = len(query_lens)
+    extra = dict(
         num_draft_steps=2,
         draft_token_ids=rng.integers(0, 1000, (num_seqs, DRAFTS)),
         token_bitmask=rng.integers(-(2**31), 2**31, (num_seqs, WORDS)).astype(np.int32),
     )
+    inherited = {field.name: getattr(base, field.name) for field in fields(StepPlan) if field.name not in extra}
+    return DraftPlan(**inherited, **extra)
 
 
 def copies(plan: StepPlan) -> dict[str, np.ndarray]:
