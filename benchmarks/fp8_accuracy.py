@@ -6,12 +6,14 @@ divergence; (2) over the float32 run's outputs, teacher-forced (prompt + output 
 engine's model and cache), the mean absolute difference of the chosen tokens' logprobs between the two caches, and
 for scale the same for the whole model in bfloat16 (the usual GPU precision) with a bf16 cache; (3) the error of
 each scaling scheme on the model's real K/V rows, to justify per-(token, head) scales.
+GPU (--gpu-default): the default model, the same chat prompts, bf16 against fp8 caches and fp8 weights quantized
+at load, each generated token scored as below against transformers' float32 forward of the same GGUF.
 GPU (--gpu-tiny): tiny checkpoints (tests/conftest.py's, a 128-wide one, and one whose layers take 128 x 128
 blocks, in_features divisible by 512) in bf16 with bf16 and fp8 caches, and with fp8 weights (row and block
 scaling): each generated token is scored by one float32 transformers forward over prompt + output (gap = best
 logit - chosen logit).
 
-Run: python benchmarks/fp8_accuracy.py [--threads N] [--num-prompts 32] [--new-tokens 64] [--gpu-tiny]
+Run: python benchmarks/fp8_accuracy.py [--threads N] [--num-prompts 32] [--new-tokens 64] [--gpu-tiny | --gpu-default]
 Writes $OUT/fp8_accuracy.json when OUT is set.
 """
 
@@ -231,6 +233,44 @@ def write_checkpoint(directory: str, name: str) -> None:
     write_tiny_model(directory, name)
 
 
+def gap_row(gaps: torch.Tensor) -> dict:
+    return {
+        "tokens": gaps.numel(),
+        "share_gap_0": (gaps == 0).float().mean().item(),
+        **{f"p{q}": gaps.quantile(q / 100).item() for q in (50, 90, 99)},
+        "max": gaps.max().item(),
+    }
+
+
+def score_runs(name: str, model: str, reference, prompts: list[list[int]], runs: list, new_tokens: int) -> dict:
+    """For each run, the gap (best logit - chosen logit) of every greedy token under the float32 reference's
+    forward over prompt + output."""
+    result = {}
+    for label, keywords, scaling in runs:
+        os.environ.pop("PAGEDLLM_FP8_SCALING", None)
+        if scaling is not None:
+            os.environ["PAGEDLLM_FP8_SCALING"] = scaling
+        llm = LLM(model, dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=16, **keywords)
+        gaps = []
+        for prompt, output in zip(prompts, generate(llm, prompts, new_tokens)):
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt + output], device="cuda")).logits[0].float()
+            rows = logits[len(prompt) - 1 : -1]
+            gaps.append(rows.max(-1).values - rows[torch.arange(len(output)), torch.tensor(output)])
+        result[f"{name}, {label}"] = gap_row(torch.cat(gaps).cpu())
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    return result
+
+
+def print_gaps(result: dict) -> None:
+    print("\n| checkpoint, run | tokens | gap 0 | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
+    for label, row in result.items():
+        print(f"| {label} | {row['tokens']} | {row['share_gap_0']:.1%} | {row['p50']:.4f} | {row['p90']:.4f} | "
+              f"{row['p99']:.4f} | {row['max']:.4f} |")  # fmt: skip
+
+
 def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
     """Gap distribution of each generated token under a float32 transformers forward: bf16 against fp8 caches and
     fp8 weights (row and block scaling; blocks only where every in_features divides by 128)."""
@@ -249,33 +289,30 @@ def gpu_tiny_gaps(args: argparse.Namespace) -> dict:
         directory = tempfile.mkdtemp(prefix=f"pagedllm-{name}-")
         write_checkpoint(directory, name)
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
-        for label, keywords, scaling in GPU_RUNS:
-            if scaling == "blocks" and name != "llama_h512":
-                continue
-            os.environ.pop("PAGEDLLM_FP8_SCALING", None)
-            if scaling is not None:
-                os.environ["PAGEDLLM_FP8_SCALING"] = scaling
-            llm = LLM(directory, dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=16, **keywords)
-            gaps = []
-            for prompt, output in zip(prompts, generate(llm, prompts, 16)):
-                with torch.no_grad():
-                    logits = reference(torch.tensor([prompt + output], device="cuda")).logits[0].float()
-                rows = logits[len(prompt) - 1 : -1]
-                gaps.append(rows.max(-1).values - rows[torch.arange(len(output)), torch.tensor(output)])
-            gaps = torch.cat(gaps).cpu()
-            result[f"{name}, {label}"] = {
-                "tokens": gaps.numel(),
-                "share_gap_0": (gaps == 0).float().mean().item(),
-                **{f"p{q}": gaps.quantile(q / 100).item() for q in (50, 90, 99)},
-                "max": gaps.max().item(),
-            }
-            llm.shutdown()
-            del llm
-            torch.cuda.empty_cache()
-    print("\n| checkpoint, run | tokens | gap 0 | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
-    for label, row in result.items():
-        print(f"| {label} | {row['tokens']} | {row['share_gap_0']:.1%} | {row['p50']:.4f} | {row['p90']:.4f} | "
-              f"{row['p99']:.4f} | {row['max']:.4f} |")  # fmt: skip
+        runs = [run for run in GPU_RUNS if run[2] != "blocks" or name == "llama_h512"]
+        result.update(score_runs(name, directory, reference, prompts, runs, 16))
+    print_gaps(result)
+    return result
+
+
+def gpu_default_gaps(args: argparse.Namespace) -> dict:
+    """The default model (its Q4_1 GGUF, dequantized) on CUDA, the chat prompts of the CPU run: bf16 weights with
+    bf16 and fp8 caches, and fp8 weights quantized at load (row scaling: its in_features, 576 and 1536, are not
+    multiples of 512), each token scored by transformers' float32 forward of the same GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.loader.default_model import default_model_path
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = default_model_path()
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    reference = reference.cuda().eval()
+    prompter = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+    prompts = chat_prompts(prompter, args.num_prompts)
+    prompter.shutdown()
+    runs = [run for run in GPU_RUNS if run[2] != "blocks"]
+    result = score_runs("SmolLM2-135M", str(path), reference, prompts, runs, args.new_tokens)
+    print_gaps(result)
     return result
 
 
@@ -285,10 +322,15 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gpu-tiny", action="store_true", help="the tiny checkpoints on CUDA instead (bf16, fp8)")
+    parser.add_argument("--gpu-default", action="store_true", help="the default model on CUDA instead (bf16, fp8)")
     args = parser.parse_args()
-    result = gpu_tiny_gaps(args) if args.gpu_tiny else cpu_accuracy(args)
+    if args.gpu_tiny:
+        result, name = gpu_tiny_gaps(args), "fp8_accuracy_gpu_tiny.json"
+    elif args.gpu_default:
+        result, name = gpu_default_gaps(args), "fp8_accuracy_gpu_default.json"
+    else:
+        result, name = cpu_accuracy(args), "fp8_accuracy.json"
     if os.environ.get("OUT"):
-        name = "fp8_accuracy_gpu_tiny.json" if args.gpu_tiny else "fp8_accuracy.json"
         (Path(os.environ["OUT"]) / name).write_text(json.dumps(result, indent=1))
 
 

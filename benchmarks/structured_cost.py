@@ -4,6 +4,10 @@ request's grammar compilation adds, on a compiler-cache miss and on a hit (and t
 default model (SmolLM2, a 49,152-token vocabulary: 1,536 mask words a row).
 
     python benchmarks/structured_cost.py [--device cpu|cuda] [--batch-sizes 1 32] [--output-len 48]
+        [--model PATH | --shape NAME --tokenizer DIR]
+
+--shape writes random bf16 weights of one of `pagedllm bench`'s shapes with the vocabulary of the tokenizer in DIR
+(for a GPU machine where the default model is not at hand: save its tokenizer with save_pretrained and carry it).
 
 The constrained rows follow SCHEMA, whose summary string is long enough that every row decodes all --output-len
 tokens, so each step has all its rows. Each configuration runs once a round, interleaved; it prints the fastest
@@ -16,11 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.entrypoints.bench_common import SHAPES, write_random_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -103,6 +111,15 @@ def compile_ms(llm: LLM, repeats: int = 5) -> tuple[float, float]:
     return statistics.median(miss), statistics.median(hit)
 
 
+def random_checkpoint_with_tokenizer(shape: str, tokenizer_dir: str, device: torch.device) -> Path:
+    """Random weights of a bench shape whose vocabulary is the tokenizer's, and the tokenizer beside them."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    directory = Path(tempfile.mkdtemp(prefix=f"pagedllm-structured-{shape}-"))
+    write_random_checkpoint(shape, directory, device, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -111,10 +128,20 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3, help="each configuration once a round, interleaved")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads (shared cores: 1 is steadier)")
+    parser.add_argument("--model", default=None, help="a checkpoint (default: the embedded default model)")
+    parser.add_argument("--shape", choices=SHAPES, help="random weights of this shape instead, with --tokenizer")
+    parser.add_argument("--tokenizer", help="a saved Hugging Face tokenizer directory, for --shape")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    llm = LLM(device=args.device, max_model_len=1024)
+    model = args.model
+    if args.shape is not None:
+        if args.tokenizer is None:
+            parser.error("--shape needs --tokenizer")
+        model = str(random_checkpoint_with_tokenizer(args.shape, args.tokenizer, torch.device(args.device)))
+    max_num_seqs = max(256, *args.batch_sizes)
+    llm = LLM(model, device=args.device, max_model_len=1024, max_num_seqs=max_num_seqs)
+    print(f"model: {args.shape or model or 'the default model'}, device {args.device}")
     decode_step_ms(llm, 2, 1, 8)  # warm: the backend, the compiled schema, every path of a step
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     configs = list(  # (batch size, constrained rows), each once

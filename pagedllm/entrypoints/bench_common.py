@@ -38,12 +38,13 @@ SHAPES = {
 }  # fmt: skip
 
 
-def write_random_checkpoint(shape: str, directory: Path, device: torch.device) -> Path:
-    """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names."""
+def write_random_checkpoint(shape: str, directory: Path, device: torch.device, **overrides) -> Path:
+    """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names; overrides
+    replace config fields of the shape (e.g. vocab_size, to match a tokenizer)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(SHAPES[shape])
+    fields = {**SHAPES[shape], **overrides}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
