@@ -1,5 +1,6 @@
-"""Where a structured decode step's time goes at batch 256 (GPU): the host's mask fill (serial, and on llguidance's
-executor with 2-16 threads), the matchers' token advance, and what a synchronous step costs without any mask.
+"""Where a structured decode step's time goes at batch 256 (GPU): the host's mask fill, the matchers' token advance,
+and what a synchronous step costs without any mask. (At c024506 it also filled the rows on llguidance's executor at
+2-16 threads, which the engine used then; that ran slower than one thread, and the engine fills rows serially since.)
 
     python benchmarks/experiments/structured_breakdown.py --shape qwen3-0.6b --tokenizer DIR [--batch 256]
 """
@@ -12,16 +13,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import llguidance
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import structured_cost  # noqa: E402
 
-import pagedllm.engine.plan_builder as plan_builder  # noqa: E402
-import pagedllm.structured_output.llguidance_backend as llg_backend  # noqa: E402
 from pagedllm import LLM  # noqa: E402
 from pagedllm.engine.engine import LLMEngine  # noqa: E402
+from pagedllm.engine.grammars import SampleGrammar  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
 
@@ -45,21 +44,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="the engine's CPU threads (default: its own)")
     args = parser.parse_args()
-    plan_builder.fill_rows = timed("fill", plan_builder.fill_rows)
+    SampleGrammar.fill = timed("fill", SampleGrammar.fill)
     LLMEngine.advance_grammar = timed("advance", LLMEngine.advance_grammar)
     model = str(structured_cost.random_checkpoint_with_tokenizer(args.shape, args.tokenizer, torch.device("cuda")))
     for async_scheduling in (True, False):
         llm = LLM(model, max_model_len=1024, max_num_seqs=args.batch, async_scheduling=async_scheduling,
                   gpu_memory_utilization=0.5, threads=args.threads)  # fmt: skip
         structured_cost.decode_step_ms(llm, 4, 4, 8)  # warm
-        variants = [("none", None, 0)] if not async_scheduling else [("none", None, 0), ("serial", None, args.batch)]
-        if async_scheduling:
-            variants += [(f"executor {n}", n, args.batch) for n in (2, 4, 8, 16)]
-        for label, threads, constrained in variants:
-            llg_backend.PARALLEL_FILL_MIN_ROWS = 10**9 if threads is None else 4
-            if threads is not None:
-                executor = llguidance.LLExecutor(num_threads=threads)
-                llg_backend.parallel_executor = lambda executor=executor: executor
+        variants = [("none", 0)] + ([("all rows", args.batch)] if async_scheduling else [])
+        for label, constrained in variants:
             best = None
             for _ in range(3):
                 TIMES.clear()

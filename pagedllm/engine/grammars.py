@@ -36,26 +36,17 @@ class SampleGrammar:
         # model's logits can never be sampled, so a row keeps the first num_words words.
         self.scratch = np.empty(backend_words, dtype=np.int32) if backend_words > num_words else None
 
-    def allow_stop_tokens(self, row: np.ndarray) -> None:
+    def fill(self, row: np.ndarray) -> None:
+        """row: C-contiguous int32 [num_words]."""
+        if self.scratch is None:
+            self.matcher.fill_bitmask(row)
+        else:
+            self.matcher.fill_bitmask(self.scratch)
+            row[:] = self.scratch[: len(row)]
         if self.stop_token_ids and self.matcher.can_end():
             words = row.view(np.uint32)
             for token_id in self.stop_token_ids:
                 words[token_id // 32] |= np.uint32(1 << (token_id % 32))
-
-
-def fill_rows(grammars: list[SampleGrammar], bitmask: np.ndarray) -> None:
-    """Row i of bitmask (C-contiguous int32 [len(grammars), num_words]) gets grammars[i]'s mask. The matchers fill
-    their rows at once (in parallel where the backend can); all grammars come from one backend."""
-    matchers = [grammar.matcher for grammar in grammars]
-    fill_bitmasks = type(matchers[0]).fill_bitmasks
-    if grammars[0].scratch is None:
-        fill_bitmasks(matchers, bitmask)
-    else:  # the backend's rows are longer: fill those, keep each row's first num_words words
-        scratch = np.empty((len(grammars), len(grammars[0].scratch)), dtype=np.int32)
-        fill_bitmasks(matchers, scratch)
-        bitmask[:] = scratch[:, : bitmask.shape[1]]
-    for grammar, row in zip(grammars, bitmask):
-        grammar.allow_stop_tokens(row)
 
 
 @dataclass(slots=True)

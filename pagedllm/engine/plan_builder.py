@@ -11,7 +11,6 @@ from itertools import chain
 
 import numpy as np
 
-from pagedllm.engine.grammars import fill_rows
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
 from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
@@ -111,8 +110,10 @@ def grammar_masks(owners: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | Non
     if not rows:
         return None
     bitmask = np.empty((len(rows), owners[rows[0]].grammar.num_words), dtype=np.int32)
-    assert all(owners[row].pending_sample_index < 0 for row in rows), "a constrained row's mask needs its last token"
-    fill_rows([owners[row].grammar for row in rows], bitmask)
+    for index, row in enumerate(rows):
+        seq = owners[row]
+        assert seq.pending_sample_index < 0, "a constrained row's mask needs its previous token"
+        seq.grammar.fill(bitmask[index])
     return bitmask, np.array(rows, dtype=np.int64)
 
 

@@ -38,10 +38,19 @@ class Roofline:
 
 
 def roofline(
-    shape: str, prompts: list[list[int]], output_lens: list[int], flops: float, bandwidth: float, kv_cache_dtype: str
+    shape: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    flops: float,
+    bandwidth: float,
+    kv_cache_dtype: str,
+    weight_flops: float | None = None,
+    weight_bytes_per_param: int = 2,
 ) -> Roofline:
     """Lower bound for the workload: prefill is compute-bound, decode reads weights once per step (all sequences
-    decode together, so steps = the longest output) plus each sequence's whole KV at every token."""
+    decode together, so steps = the longest output) plus each sequence's whole KV at every token. The layers'
+    linear weights take weight_bytes_per_param bytes and multiply at weight_flops (fp8 weights: 1 byte, fp8's rate;
+    their scales are not counted); the embedding, the lm head and attention stay in bf16 at `flops`."""
     s = SHAPES[shape]
     head_dim = s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
     q_size, kv_size = s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim
@@ -52,15 +61,24 @@ def roofline(
     kv_bytes_per_head = head_dim + 4 if kv_cache_dtype == "fp8" else 2 * head_dim
     kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * kv_bytes_per_head
 
+    weight_flops = weight_flops or flops
+
+    def compute_s(body_flops: float, other_flops: float) -> float:
+        return body_flops / weight_flops + other_flops / flops
+
     prompt_lens = [len(p) for p in prompts]
-    prefill_flops = 2 * body_params * sum(prompt_lens) + 2 * head_params * len(prompts)
-    prefill_flops += attention_flops_per_pair * sum(n * (n + 1) / 2 for n in prompt_lens)
+    prefill_s = compute_s(
+        2 * body_params * sum(prompt_lens),
+        2 * head_params * len(prompts) + attention_flops_per_pair * sum(n * (n + 1) / 2 for n in prompt_lens),
+    )
     decode_contexts = [p + i for p, out in zip(prompt_lens, output_lens) for i in range(1, out)]
-    decode_flops = 2 * (body_params + head_params) * len(decode_contexts)
-    decode_flops += attention_flops_per_pair * sum(decode_contexts)
-    weight_bytes = 2 * (body_params + head_params)
+    decode_compute_s = compute_s(
+        2 * body_params * len(decode_contexts),
+        2 * head_params * len(decode_contexts) + attention_flops_per_pair * sum(decode_contexts),
+    )
+    weight_bytes = weight_bytes_per_param * body_params + 2 * head_params
     decode_bytes = (max(output_lens) - 1) * weight_bytes + kv_bytes_per_token * sum(decode_contexts)
-    return Roofline(prefill_flops / flops, max(decode_flops / flops, decode_bytes / bandwidth))
+    return Roofline(prefill_s, max(decode_compute_s, decode_bytes / bandwidth))
 
 
 @dataclass
@@ -198,10 +216,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     # The first run is what a user's first generate() gets; the median is taken over the runs after it.
     later = runs[1:] or runs
     median = sorted(later, key=lambda run: run.total_s)[len(later) // 2]
-    flops, bandwidth = measure_ceilings(device)
+    fp8_weights = args.quantization == "fp8"
+    flops, weight_flops, bandwidth = measure_ceilings(device, fp8=fp8_weights)
     # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted)
-    bound = roofline(args.shape, prompts, output_lens, flops * args.tensor_parallel_size,
-                     bandwidth * args.tensor_parallel_size, args.kv_cache_dtype)  # fmt: skip
+    ranks = args.tensor_parallel_size
+    bound = roofline(args.shape, prompts, output_lens, flops * ranks, bandwidth * ranks, args.kv_cache_dtype,
+                     weight_flops * ranks, 1 if fp8_weights else 2)  # fmt: skip
     if tracer is not None:
         save_trace_and_plot(llm, args, windows[runs.index(median)], median.output_tokens / bound.total_s)
     num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
@@ -218,7 +238,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "load_s": load_s,
         "runs": [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in runs],
         "median": asdict(median) | {"tokens_per_s": median.tokens_per_s},
+        "quantization": args.quantization,
         "matmul_tflops": flops / 1e12,
+        "weight_matmul_tflops": weight_flops / 1e12,
         "copy_tb_per_s": bandwidth / 1e12,
         "roofline": asdict(bound) | {"total_s": bound.total_s},
         "percent_of_roofline": 100 * bound.total_s / median.total_s,
@@ -264,10 +286,11 @@ def print_table(result: dict) -> None:
         f"| {median['output_tokens'] / bound['total_s']:,.0f} |"
     )
     first, rate = result["runs"][0]["tokens_per_s"], median["tokens_per_s"]
+    fp8 = f", fp8 matmul {result['weight_matmul_tflops']:.0f}" if result["quantization"] == "fp8" else ""
     print(
         f"first run {first:,.0f} output tok/s ({100 * first / rate:.0f}% of the later runs' median); "
         f"median of the later runs {rate:,.0f} output tok/s = {result['percent_of_roofline']:.0f}% of the roofline "
-        f"(bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
+        f"(bf16 matmul {result['matmul_tflops']:.0f}{fp8} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
     )
 
 

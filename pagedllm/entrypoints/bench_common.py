@@ -79,15 +79,24 @@ def nano_vllm_workload(
     return prompts, output_lens
 
 
-def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s on random data, device copy bytes/s counting read + write), medians of 10."""
+def measure_ceilings(device: torch.device, fp8: bool = False) -> tuple[float, float, float]:
+    """(bf16 matmul FLOP/s on random data, the matmul rate the linear layers' weights run at: fp8's through
+    torch._scaled_mm with row scales when fp8, else the bf16 rate again, device copy bytes/s counting read + write),
+    medians of 10."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     source = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
     target = torch.empty_like(source)
-    matmul_ms = median_cuda_ms(lambda: a @ b)
-    copy_ms = median_cuda_ms(lambda: target.copy_(source))
-    return 2 * 8192**3 / (matmul_ms / 1e3), 2 * source.nbytes / (copy_ms / 1e3)
+    matmul_flops = 2 * 8192**3 / (median_cuda_ms(lambda: a @ b) / 1e3)
+    copy_bytes = 2 * source.nbytes / (median_cuda_ms(lambda: target.copy_(source)) / 1e3)
+    weight_flops = matmul_flops
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        scale_a = torch.ones(8192, 1, device=device)
+        scale_b = torch.ones(1, 8192, device=device)
+        fp8_ms = median_cuda_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a, scale_b, out_dtype=torch.bfloat16))
+        weight_flops = 2 * 8192**3 / (fp8_ms / 1e3)
+    return matmul_flops, weight_flops, copy_bytes
 
 
 def median_cuda_ms(function, repeats: int = 10, warmup: int = 3) -> float:

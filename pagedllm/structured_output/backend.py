@@ -39,14 +39,6 @@ class GrammarMatcher(ABC):
         """Write the tokens allowed next into `row`: C-contiguous int32 of the backend's bitmask_words (a row of a
         2-D plan array, or a CPU tensor's .numpy() view). An end token is allowed only where can_end()."""
 
-    @classmethod
-    def fill_bitmasks(cls, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` (C-contiguous int32 [len(matchers), bitmask_words]) gets matchers[i]'s mask, as
-        fill_bitmask would write it. Every matcher is of this class; a backend that can fill rows in parallel says
-        so here."""
-        for matcher, row in zip(matchers, bitmask):
-            matcher.fill_bitmask(row)
-
     @abstractmethod
     def is_terminated(self) -> bool:
         """The output is complete: no token but an end token can follow."""

@@ -4,7 +4,6 @@ and copied for every sample (a copy costs about a microsecond; building can take
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable
 
@@ -24,18 +23,6 @@ FIELD_NAMES = {
     "choice": "structured_outputs.choice",
     "grammar": "structured_outputs.grammar",
 }
-
-
-# Fewer constrained rows than this fill one after another on the calling thread: handing a couple of rows to the
-# executor's threads costs more than it saves.
-PARALLEL_FILL_MIN_ROWS = 4
-
-
-@functools.cache
-def parallel_executor() -> llguidance.LLExecutor:
-    """llguidance's thread pool for filling many rows' masks at once (one per process, made at first use; it sizes
-    itself to the machine's cores)."""
-    return llguidance.LLExecutor()
 
 
 class LLGuidanceBackend(StructuredOutputBackend):
@@ -129,20 +116,6 @@ class LLGuidanceMatcher(GrammarMatcher):
         if self.hidden_end_token is not None:
             word, bit = divmod(self.hidden_end_token, 32)
             row.view(np.uint32)[word] &= ~np.uint32(1 << bit)
-
-    @classmethod
-    def fill_bitmasks(cls, matchers: list[LLGuidanceMatcher], bitmask: np.ndarray) -> None:
-        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
-            raise ValueError(f"a bitmask must be 2-D C-contiguous int32, got {bitmask.ndim}-D {bitmask.dtype}")
-        if len(matchers) < PARALLEL_FILL_MIN_ROWS:
-            super().fill_bitmasks(matchers, bitmask)
-            return
-        rows = [(matcher.matcher, index) for index, matcher in enumerate(matchers)]
-        parallel_executor().unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, bitmask.shape[1] * 4, len(bitmask))
-        hidden_end_token = matchers[0].hidden_end_token  # one backend's matchers share it
-        if hidden_end_token is not None:
-            word, bit = divmod(hidden_end_token, 32)
-            bitmask.view(np.uint32)[:, word] &= ~np.uint32(1 << bit)
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()

@@ -246,28 +246,6 @@ def test_rollback_reset_and_copy_return_the_same_masks(setup):
         matcher.rollback(1)
 
 
-@pytest.mark.parametrize("num_rows", [2, 9])  # below and above the count that fills in parallel
-def test_filling_many_rows_at_once_writes_each_matchers_own_mask(setup, num_rows):
-    backend, _, _ = setup
-    rng = random.Random(num_rows)
-    matchers = []
-    for index in range(num_rows):
-        params = CONSTRAINTS[list(CONSTRAINTS)[index % len(CONSTRAINTS)]][0]
-        matcher = backend.compile(params).matcher()
-        for _ in range(rng.randrange(4)):  # each row at its own point of its own grammar
-            ordinary = [t for t in mask_tokens(mask_of(backend, matcher)).tolist() if t not in backend.end_tokens]
-            if matcher.is_terminated() or not ordinary:
-                break
-            assert matcher.accept_token(rng.choice(ordinary))
-        matchers.append(matcher)
-    bitmask = np.zeros((num_rows, backend.bitmask_words), dtype=np.int32)
-    type(matchers[0]).fill_bitmasks(matchers, bitmask)
-    for matcher, row in zip(matchers, bitmask):
-        np.testing.assert_array_equal(row, mask_of(backend, matcher))
-    with pytest.raises(ValueError, match="2-D C-contiguous int32"):
-        type(matchers[0]).fill_bitmasks(matchers, bitmask[:, ::2])
-
-
 def test_two_matchers_of_one_grammar_are_independent(tiny_backend, tiny_tokenizer):
     grammar = tiny_backend.compile(StructuredOutputsParams(choice=["yes", "no"]))
     first, second = grammar.matcher(), grammar.matcher()
