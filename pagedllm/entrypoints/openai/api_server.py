@@ -22,6 +22,7 @@ import pagedllm
 from pagedllm import envs
 from pagedllm.entrypoints.engine_args import engine_kwargs
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.chat_plan import server_parsers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -220,9 +221,12 @@ def run_server(args: argparse.Namespace) -> None:
         else:
             name, root = args.model, os.path.abspath(os.path.expanduser(args.model))
         name = args.served_model_name or name
+        parsers = server_parsers(
+            args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser, llm.tokenizer
+        )
         metrics = ServerMetrics(name, llm.max_model_len)
         llm.stats_listener = metrics
-        app = build_app(OpenAIServing(llm, name, root), metrics, api_key)
+        app = build_app(OpenAIServing(llm, name, root, parsers), metrics, api_key)
         config = uvicorn.Config(
             app,
             host=args.host,
