@@ -33,7 +33,9 @@ from pagedllm.entrypoints.openai.protocol import (
     InvalidRequestError,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.logger import logger
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -165,6 +167,12 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return openai_response(await cancel_on_disconnect(request, serving.create_chat_completion(body)))
+
+    responses = OpenAIServingResponses(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return openai_response(await cancel_on_disconnect(request, responses.create_response(body)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -375,22 +375,8 @@ class OpenAIServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
-        request.check_supported()
-        plan = plan_chat(request, self.parsers)
-        prompt = self.chat_prompt(
-            request.messages,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            plan.template_kwargs(request.chat_template_kwargs),
-        )
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        if request.top_logprobs is not None and not request.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start_requests(request, [prompt], max_tokens, logprobs, None, request_id, plan.apply)
-        chat_output = plan.output(prompt.token_ids)
+        prompt, streams, chat_output = await self.start_chat(request, request_id)
         if request.stream:
             return self.chat_stream(request, prompt, streams[0], request_id, chat_output)
         output = (await final_outputs(streams))[0]
@@ -413,6 +399,27 @@ class OpenAIServing:
             choices=choices,
             usage=self.usage([prompt], num_completion_tokens),
         )
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[PromptInput, list[RequestStream], ChatOutput]:
+        """A chat request checked, rendered and queued (also /v1/responses' path): its prompt, its stream, and how
+        its replies read."""
+        self.check_model(request.model)
+        request.check_supported()
+        plan = plan_chat(request, self.parsers)
+        prompt = self.chat_prompt(
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            plan.template_kwargs(request.chat_template_kwargs),
+        )
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        streams = await self.start_requests(request, [prompt], max_tokens, logprobs, None, request_id, plan.apply)
+        return prompt, streams, plan.output(prompt.token_ids)
 
     def chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int], positions) -> ChatLogprobs | None:
         if not request.logprobs:

@@ -6,8 +6,10 @@ deltas reassemble to the whole reply, and the thinking splits off, streamed and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from typing import Literal
 
 import httpx
 import pytest
@@ -252,3 +254,167 @@ def test_bad_tool_requests_are_400_and_the_server_serves_on(client, server, fiel
     error = caught.value.response.json()["error"]
     assert fragment in error["message"] and error["param"] == param, error
     assert chat(client, server, max_tokens=2).usage.completion_tokens == 2
+
+
+# --- /v1/responses --------------------------------------------------------------------------------------------
+
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def respond(client, server, **fields):
+    return client.responses.create(model=server.model, input="What is the weather in Paris?", **fields)
+
+
+def items_of(output) -> list[tuple]:
+    """Output items without their ids."""
+    described = []
+    for item in output:
+        if item.type == "reasoning":
+            described.append(("reasoning", "".join(part.text for part in item.content)))
+        elif item.type == "message":
+            described.append(("message", "".join(part.text for part in item.content)))
+        else:
+            described.append(("function_call", item.name, item.arguments, item.call_id.startswith("call_")))
+    return described
+
+
+def collect(events):
+    """A streamed response: its events' types, the text each kind of delta adds up to, and the final response."""
+    events = list(events)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]
+    deltas: dict[str, str] = {}
+    for event in events:
+        if event.type.endswith(".delta"):
+            deltas[event.type] = deltas.get(event.type, "") + event.delta
+    return [event.type for event in events], deltas, events[-1].response
+
+
+def test_responses_text_whole_and_streamed(client, server):
+    whole = respond(client, server, instructions="Be brief.", temperature=0, max_output_tokens=20)
+    assert whole.status == "completed" and whole.instructions == "Be brief."
+    assert items_of(whole.output) == [("reasoning", "a"), ("message", "b")] and whole.output_text == "b"
+    assert whole.usage.output_tokens == 5 and whole.usage.output_tokens_details.reasoning_tokens == 3
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 5
+    kinds, deltas, final = collect(
+        respond(client, server, instructions="Be brief.", temperature=0, max_output_tokens=20, stream=True)
+    )
+    assert deltas == {"response.reasoning_text.delta": "a", "response.output_text.delta": "b"}
+    assert kinds[-1] == "response.completed" and items_of(final.output) == items_of(whole.output)
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    with client.responses.stream(model=server.model, input="Hi", temperature=0, max_output_tokens=20) as stream:
+        assert stream.get_final_response().output_text == "b"  # the SDK's own accumulation of the events
+
+
+def test_responses_function_calls_whole_and_streamed(client, server):
+    fields = dict(tools=RESPONSE_TOOLS, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200)
+    whole = respond(client, server, temperature=0, **fields)
+    (reasoning, (kind, name, arguments, has_call_id)) = items_of(whole.output)
+    assert reasoning == ("reasoning", "a") and kind == "function_call" and has_call_id
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    kinds, deltas, final = collect(respond(client, server, temperature=0, stream=True, **fields))
+    assert items_of(final.output) == items_of(whole.output)
+    assert deltas["response.function_call_arguments.delta"] == arguments
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+
+
+def test_responses_named_tool_choice_and_json_text_format(client, server):
+    named = respond(
+        client, server, tools=RESPONSE_TOOLS, tool_choice={"type": "function", "name": "get_time"}, temperature=0
+    )
+    assert [item[1] for item in items_of(named.output) if item[0] == "function_call"] == ["get_time"]
+    text_format = {"type": "json_schema", "name": "answer", "schema": {"type": "string", "enum": ["yes", "no"]}}
+    answer = respond(client, server, text={"format": text_format}, temperature=0)
+    assert json.loads(answer.output_text) in ("yes", "no") and answer.text.format.type == "json_schema"
+
+
+def test_responses_cut_by_max_output_tokens_are_incomplete(client, server):
+    whole = respond(client, server, temperature=0, max_output_tokens=2)
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    kinds, _, final = collect(respond(client, server, temperature=0, max_output_tokens=2, stream=True))
+    assert kinds[-1] == "response.incomplete" and final.status == "incomplete"
+
+
+def test_responses_input_items_become_the_conversation(client, server):
+    """A whole agent turn given back as input: the reasoning, the call and its output reach the chat template."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    reply = client.responses.create(model=server.model, input=items, tools=RESPONSE_TOOLS, temperature=0)
+    assert reply.output_text == "b"
+    function = {"name": call["name"], "arguments": call["arguments"]}
+    chat_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "look",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    same = client.chat.completions.create(model=server.model, messages=chat_messages, tools=TOOLS, max_tokens=1)
+    assert reply.usage.input_tokens == same.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        (dict(previous_response_id="resp_1"), "previous_response_id", "stores no responses"),
+        (dict(store=True), "store", "store=false"),
+        (dict(include=["message.output_text.logprobs"]), "include", "include is not supported"),
+        (dict(reasoning={"effort": "high"}), "reasoning", "reasoning.effort is not supported"),
+        (dict(tools=[{"type": "web_search"}]), "tools", "only function tools"),
+        (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input", "stores no responses"),
+        (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input", "only text"),
+        (dict(tool_choice="required"), "tool_choice", "needs tools"),
+        (dict(tools=RESPONSE_TOOLS, tool_choice={"type": "mcp"}), "tool_choice", "tool_choice is"),
+    ],
+)
+def test_responses_fields_it_cannot_honour_are_400(client, server, fields, param, fragment):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": server.model, "input": "Hi", "max_output_tokens": 2, **fields})
+    error = caught.value.response.json()["error"]
+    assert fragment in error["message"] and error["param"] == param, error
+    assert respond(client, server, max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_an_openai_agents_loop_calls_a_tool_and_answers(server):
+    """openai-agents against pagedllm serve (its Responses model): the first turn must call the tool (tool_choice
+    "required", reset by the agent after the call), the tool's result goes back as input, and the model's reply to
+    it (the scripted "b") is the final answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    called, sent = [], []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    async def run():
+        http_client = httpx.AsyncClient(event_hooks={"request": [record]})
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", http_client=http_client)
+        agent = agents.Agent(
+            name="weather",
+            instructions="Answer with the weather.",
+            tools=[get_weather],
+            model=agents.OpenAIResponsesModel(model=server.model, openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=200),
+        )
+        try:
+            return await agents.Runner.run(agent, "What is the weather in Paris?")
+        finally:
+            await http_client.aclose()
+
+    result = asyncio.run(run())
+    assert len(called) == 1 and result.final_output == "b"
+    assert [request.get("tool_choice") for request in sent] == ["required", None]
+    fed_back = [item for item in sent[1]["input"] if item.get("type") == "function_call_output"]
+    assert [item["output"] for item in fed_back] == [f"sunny in {called[0]}"]
