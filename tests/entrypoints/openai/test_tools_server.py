@@ -227,6 +227,16 @@ def test_a_conversation_with_calls_and_results_renders(client, server, tokenizer
     assert reply.choices[0].message.content == "b"
 
 
+def test_a_reply_with_calls_goes_back_as_it_came(client, server):
+    """The SDK's message, dumped as the README shows, is a valid history message (its reasoning too)."""
+    first = chat(client, server, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200).choices[0]
+    call = first.message.tool_calls[0]
+    messages = [*ASK, first.message.model_dump(exclude_none=True)]
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+    answer = client.chat.completions.create(model=server.model, messages=messages, tools=TOOLS, temperature=0)
+    assert (answer.choices[0].message.reasoning_content, answer.choices[0].message.content) == ("a", "b")
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "fragment"),
     [
