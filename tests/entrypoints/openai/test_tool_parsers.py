@@ -229,3 +229,20 @@ def test_any_stream_of_thinking_and_calls_reassembles(name, prompt_opens, thinki
     output = reasoning_output(name, prompt_opens, tool_parser("hermes"))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
     assert streamed(output, text, cuts) == whole(output, text)
+
+
+def test_the_servers_parser_flags_are_checked():
+    from conftest import train_tokenizer
+    from tool_checkpoints import tools_tokenizer
+
+    from pagedllm.entrypoints.openai.chat_plan import server_parsers
+
+    with pytest.raises(ValueError, match="go together"):
+        server_parsers(None, True, None, tools_tokenizer())
+    with pytest.raises(ValueError, match="go together"):
+        server_parsers("hermes", False, None, tools_tokenizer())
+    with pytest.raises(ValueError, match="<think> as one token"):
+        server_parsers(None, False, "qwen3", train_tokenizer())  # no thinking markers in its vocabulary
+    parsers = server_parsers("mistral", True, "deepseek_r1", tools_tokenizer())
+    assert parsers.tool_parser.name == "mistral" and not parsers.keep_special_tokens  # [TOOL_CALLS] is plain text here
+    assert parsers.reasoning.end_token_id == tools_tokenizer().convert_tokens_to_ids("</think>")
