@@ -22,6 +22,7 @@ import pagedllm
 from pagedllm import envs
 from pagedllm.entrypoints.engine_args import engine_kwargs
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.chat_plan import server_parsers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -32,7 +33,9 @@ from pagedllm.entrypoints.openai.protocol import (
     InvalidRequestError,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.logger import logger
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -165,6 +168,12 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return openai_response(await cancel_on_disconnect(request, serving.create_chat_completion(body)))
 
+    responses = OpenAIServingResponses(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return openai_response(await cancel_on_disconnect(request, responses.create_response(body)))
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         return serving.tokenize(body)
@@ -220,9 +229,12 @@ def run_server(args: argparse.Namespace) -> None:
         else:
             name, root = args.model, os.path.abspath(os.path.expanduser(args.model))
         name = args.served_model_name or name
+        parsers = server_parsers(
+            args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser, llm.tokenizer
+        )
         metrics = ServerMetrics(name, llm.max_model_len)
         llm.stats_listener = metrics
-        app = build_app(OpenAIServing(llm, name, root), metrics, api_key)
+        app = build_app(OpenAIServing(llm, name, root, parsers), metrics, api_key)
         config = uvicorn.Config(
             app,
             host=args.host,

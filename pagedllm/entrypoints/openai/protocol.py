@@ -218,11 +218,37 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object
+    strict: bool | None = None  # forced calls always follow the schema; "auto" calls are the model's own
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # handed to the chat template, as vLLM does
-    tool_calls: list[Any] | None = None  # refused until tools are supported
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    reasoning_content: str | None = None  # an assistant's earlier thinking (vLLM's name; `reasoning` too)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -235,8 +261,10 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, tuple[str, tuple]]] = COMMON_UNSUPPORTED | {
-        "functions": unsupported("function calling is not implemented yet"),
-        "function_call": unsupported("function calling is not implemented yet", (None, "none", "auto")),
+        "functions": unsupported("the deprecated functions API is not implemented; use tools"),
+        "function_call": unsupported(
+            "the deprecated functions API is not implemented; use tool_choice", (None, "none", "auto")
+        ),
         "audio": unsupported("the output is text only"),
         "modalities": unsupported("the output is text only", (None, ["text"])),
         "web_search_options": unsupported("there is no web search"),
@@ -258,19 +286,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None  # checked, with tool_choice, in tools.py
     tool_choice: str | dict[str, Any] | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tool_choice != "none":  # with "none" the model answers in text, which is all this server does
-            if self.tools:
-                raise InvalidRequestError("tools are not supported yet; send no tools, or tool_choice='none'", "tools")
-            if self.tool_choice not in (None, "auto"):
-                raise InvalidRequestError("tool_choice needs tools, which are not supported yet", "tool_choice")
-        for index, message in enumerate(self.messages):
-            if message.tool_calls:
-                raise InvalidRequestError(f"messages[{index}].tool_calls: tool calls are not supported yet", "messages")
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -336,11 +354,29 @@ class ChatLogprobs(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking (vLLM's older name)
+    reasoning: str | None = None  # the same (vLLM's newer name)
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None  # with the name, in a call's first delta
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(OpenAIBaseModel):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from pagedllm.entrypoints.openai.chat_output import ChatOutput, is_empty
+from pagedllm.entrypoints.openai.chat_plan import ServerParsers, plan_chat
 from pagedllm.entrypoints.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -36,7 +37,9 @@ from pagedllm.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedllm.entrypoints.openai.tools import template_messages
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling.params import SamplingParams
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -100,11 +103,12 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str, model_root: str):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, model_root: str, parsers: ServerParsers | None = None):
         self.llm = llm
         self.served_model_name = served_model_name
         self.model_root = model_root
         self.tokenizer = llm.tokenizer
+        self.parsers = parsers or ServerParsers()  # --tool-call-parser, --reasoning-parser
 
     # --- shared -----------------------------------------------------------------------------------------------
 
@@ -147,8 +151,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         request_id: str,
+        adjust: Callable[[SamplingParams, list[int]], None] | None = None,
     ) -> list[RequestStream]:
-        """Validate every prompt first, then queue them all; nothing stays queued if one is refused."""
+        """Validate every prompt first, then queue them all; nothing stays queued if one is refused. adjust(params,
+        prompt token ids) may change each prompt's params first (a chat request's ChatPlan.apply)."""
         for value, name in ((logprobs, "logprobs"), (prompt_logprobs, "prompt_logprobs")):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
@@ -156,6 +162,9 @@ class OpenAIServing:
             request.to_sampling_params(self.check_length(prompt, max_tokens), logprobs, prompt_logprobs)
             for prompt in prompts
         ]
+        if adjust is not None:
+            for prompt, prompt_params in zip(prompts, params):
+                adjust(prompt_params, prompt.token_ids)
         streams: list[RequestStream] = []
         try:
             for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
@@ -348,10 +357,7 @@ class OpenAIServing:
     ) -> PromptInput:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-        conversation = [
-            {"role": message.role, "content": message.text(), **({"name": message.name} if message.name else {})}
-            for message in messages
-        ]
+        conversation = template_messages(messages)
         try:
             token_ids = self.tokenizer.apply_chat_template(
                 conversation,
@@ -369,33 +375,23 @@ class OpenAIServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
-        request.check_supported()
-        prompt = self.chat_prompt(
-            request.messages,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        if request.top_logprobs is not None and not request.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start_requests(request, [prompt], max_tokens, logprobs, None, request_id)
+        prompt, streams, chat_output = await self.start_chat(request, request_id)
         if request.stream:
-            return self.chat_stream(request, prompt, streams[0], request_id)
+            return self.chat_stream(request, prompt, streams[0], request_id, chat_output)
         output = (await final_outputs(streams))[0]
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=AssistantMessage(content=completion.text),
-                logprobs=self.chat_logprobs(request, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in output.outputs:
+            message = chat_output.message(completion.text)
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self.chat_logprobs(request, completion.token_ids, completion.logprobs),
+                    finish_reason=chat_finish_reason(completion.finish_reason, bool(message.tool_calls)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in output.outputs
-        ]
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -403,6 +399,27 @@ class OpenAIServing:
             choices=choices,
             usage=self.usage([prompt], num_completion_tokens),
         )
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[PromptInput, list[RequestStream], ChatOutput]:
+        """A chat request checked, rendered and queued (also /v1/responses' path): its prompt, its stream, and how
+        its replies read."""
+        self.check_model(request.model)
+        request.check_supported()
+        plan = plan_chat(request, self.parsers)
+        prompt = self.chat_prompt(
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            plan.template_kwargs(request.chat_template_kwargs),
+        )
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        streams = await self.start_requests(request, [prompt], max_tokens, logprobs, None, request_id, plan.apply)
+        return prompt, streams, plan.output(prompt.token_ids)
 
     def chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int], positions) -> ChatLogprobs | None:
         if not request.logprobs:
@@ -428,7 +445,12 @@ class OpenAIServing:
         return TopLogprob(token=token, logprob=max(logprob.logprob, MIN_LOGPROB), bytes=list(token.encode("utf-8")))
 
     async def chat_stream(
-        self, request: ChatCompletionRequest, prompt: PromptInput, stream: RequestStream, request_id: str
+        self,
+        request: ChatCompletionRequest,
+        prompt: PromptInput,
+        stream: RequestStream,
+        request_id: str,
+        chat_output: ChatOutput,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -440,6 +462,7 @@ class OpenAIServing:
             )
 
         progress = {index: ChoiceProgress() for index in range(request.n)}
+        readers = {index: chat_output.stream() for index in progress}
         try:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in progress])
             async with aclosing(merge_streams([stream])) as outputs:
@@ -454,11 +477,15 @@ class OpenAIServing:
                         choice.text_len = len(completion.text)
                         choice.num_tokens = len(completion.token_ids)
                         choice.finished = completion.finish_reason is not None
+                        reader = readers[completion.index]
+                        message = reader.step(completion.text, choice.finished)
+                        if is_empty(message) and not positions and not choice.finished:
+                            continue  # the text so far may still turn out to be a tool call or thinking
                         delta = ChatChunkChoice(
                             index=completion.index,
-                            delta=DeltaMessage(content=text),
+                            delta=message,
                             logprobs=self.chat_logprobs(request, token_ids, positions),
-                            finish_reason=completion.finish_reason,
+                            finish_reason=chat_finish_reason(completion.finish_reason, reader.made_tool_calls),
                             stop_reason=completion.stop_reason,
                         )
                         yield chunk([delta])
@@ -530,6 +557,11 @@ async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+def chat_finish_reason(finish_reason: str | None, made_tool_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself after calling tools."""
+    return "tool_calls" if made_tool_calls and finish_reason == "stop" else finish_reason
 
 
 def stream_error(error: Exception) -> str:

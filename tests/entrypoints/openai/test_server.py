@@ -278,16 +278,16 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schem
             "structured_outputs",
             "not both",
         ),
-        # tools and function calling
-        ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tools are not supported"),
-        ("chat", dict(tool_choice="required"), "tool_choice", "tool_choice needs tools"),
+        # tools: "auto" (the default with tools) needs the tool parser this server was not started with
+        ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "--tool-call-parser"),
+        ("chat", dict(tool_choice="required"), "tool_choice", "'required' needs tools"),
         ("chat", dict(functions=[{"name": "f"}]), "functions", "functions is not supported"),
         ("chat", dict(function_call={"name": "f"}), "function_call", "function_call is not supported"),
         (
             "chat",
             dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
             "messages",
-            "messages[0].tool_calls",
+            "messages.0.tool_calls.0.function",
         ),
         # fields that would change the output if they were honoured
         ("chat", dict(modalities=["text", "audio"]), "modalities", "text only"),

@@ -1,9 +1,10 @@
 """The default model (SmolLM2) behind `pagedllm serve`, asked through the openai SDK's parse() for five realistic
 pydantic models at once (nested objects, enums, arrays with min/max items, required fields, number ranges): every
-reply parses into its model."""
+reply parses into its model; and forced tool calls validate against their tools' schemas."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -90,3 +91,36 @@ def test_every_reply_parses_into_its_pydantic_model(server):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         assert isinstance(choice.message.parsed, response_format), choice.message.content
+
+
+# Seeds per forced tool choice here: the 200-seed runs are on the tiny checkpoint (test_tools_server.py); a batch of
+# 200 costs the 135M default model 1-3 minutes on two CPU cores.
+DEFAULT_MODEL_SEEDS = 16
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "seed"), [("required", 0), ({"type": "function", "function": {"name": "get_time"}}, 1)]
+)
+def test_forced_tool_calls_always_validate(server, tool_choice, seed):
+    """Seeds at temperature 1 on the default model's own tokenizer (its chat template shows no tools, but the calls
+    are forced): every call names a tool and its arguments validate against that tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from tool_checkpoints import TIME, WEATHER
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the weather and the time in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        n=DEFAULT_MODEL_SEEDS,
+        seed=seed,
+        temperature=1.0,
+        max_tokens=80,
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
