@@ -1,6 +1,6 @@
 """The default model (SmolLM2) behind `pagedllm serve`, asked through the openai SDK's parse() for five realistic
 pydantic models at once (nested objects, enums, arrays with min/max items, required fields, number ranges): every
-reply parses into its model."""
+reply parses into its model. And a chat reply that ends with the model's own end token (<|im_end|>)."""
 
 from __future__ import annotations
 
@@ -90,3 +90,18 @@ def test_every_reply_parses_into_its_pydantic_model(server):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         assert isinstance(choice.message.parsed, response_format), choice.message.content
+
+
+def test_chat_logprobs_leave_out_the_end_token(server):
+    """The reply ends with <|im_end|>, which its text leaves out: so do its logprobs, which spell the text token by
+    token (the end token still counts in usage, as in vLLM)."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, logprobs=True, temperature=0, max_tokens=60
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    tokens = [entry.token for entry in choice.logprobs.content]
+    assert "<|im_end|>" not in tokens and "".join(tokens) == choice.message.content
+    assert reply.usage.completion_tokens == len(tokens) + 1
