@@ -96,9 +96,9 @@ def test_chat_logprobs_leave_out_the_end_token(server):
     """The reply ends with <|im_end|>, which its text leaves out: so do its logprobs, which spell the text token by
     token (the end token still counts in usage, as in vLLM)."""
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": "Say hello."}]
+    messages = [{"role": "user", "content": "What is 2+2? Reply with just the number."}]
     reply = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, logprobs=True, temperature=0, max_tokens=60
+        model=client.models.list().data[0].id, messages=messages, logprobs=True, temperature=0, max_tokens=30
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
