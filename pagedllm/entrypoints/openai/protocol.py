@@ -79,10 +79,13 @@ class RequestModel(OpenAIBaseModel):
             for name, value in data.items():
                 try:
                     check_request_values(value, str(name), str(name))
-                except InvalidRequestError as error:  # pydantic reports it; the server names error.param
-                    raise PydanticCustomError(
-                        "invalid_value", "{message}", {"message": str(error), "param": error.param}
-                    ) from None
+                    continue
+                except RecursionError:
+                    error = InvalidRequestError(f"{name} is nested too deeply", str(name))
+                except InvalidRequestError as refused:
+                    error = refused
+                # pydantic reports it as a validation error, which the server answers with a 400 naming error.param
+                raise PydanticCustomError("invalid_value", "{message}", {"message": str(error), "param": error.param})
         return data
 
 
