@@ -45,13 +45,9 @@ from pagedllm.outputs import RequestOutput
 
 # apply_chat_template's own arguments, which the server sets (and which chat_template_kwargs must not repeat); of
 # them, those a request sends as fields of its own.
-TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
-    "self",
-    "kwargs",
-}
-TEMPLATE_REQUEST_FIELDS = frozenset(
-    {"add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template"}
-)
+TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+TEMPLATE_ARGUMENTS -= {"self", "kwargs"}
+TEMPLATE_REQUEST_FIELDS = {"add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template"}
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
