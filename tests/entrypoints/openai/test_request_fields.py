@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 from openai.types import completion_create_params  # noqa: E402
 from openai.types.chat import completion_create_params as chat_create_params  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
+from server_process import write_chat_model  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
@@ -113,6 +114,11 @@ SDK_PARAMS = {  # the fields the official SDK may send (it sends `stream` throug
     "completions": typing.get_type_hints(completion_create_params.CompletionCreateParamsBase),
     "chat": typing.get_type_hints(chat_create_params.CompletionCreateParamsBase),
 }
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(llama_dir, tmp_path_factory) -> str:
+    return write_chat_model(llama_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,12 @@ import pytest
 pytest.importorskip("fastapi", reason="the server tests need the serve extra (pip install -e '.[test]')")
 openai = pytest.importorskip("openai")
 
-from server_process import API_KEY, start_server, stop_server  # noqa: E402
+from server_process import API_KEY, start_server, stop_server, write_chat_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(llama_dir, tmp_path_factory) -> str:
+    return write_chat_model(llama_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
