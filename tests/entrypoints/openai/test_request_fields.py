@@ -266,6 +266,32 @@ def test_paired_surrogates_and_template_variables_are_fine(app_server):
     assert reply.usage.completion_tokens == 2
 
 
+def test_bodies_over_max_request_bytes_are_413_sized_or_chunked(app_server, chat_model_dir):
+    """With --max-request-bytes 2000: a body declared larger is refused at once; a body sent in chunks (no
+    Content-Length) is counted as it comes, refused past the limit and handed on whole below it."""
+    llm, _, _ = app_server
+    app = build_app(OpenAIServing(llm, MODEL, chat_model_dir), ServerMetrics(MODEL, 512), max_request_bytes=2000)
+    headers = {"Content-Type": "application/json"}
+
+    def chunked(text: str):
+        for start in range(0, len(text), 300):
+            yield text[start : start + 300].encode()
+
+    large = json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 1})
+    small = json.dumps({"model": MODEL, "prompt": "Paris " * 100, "max_tokens": 2})
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for response in (
+            http.post("/v1/completions", content=large, headers=headers),
+            http.post("/v1/completions", content=chunked(large), headers=headers),
+        ):
+            assert response.status_code == 413, response.text
+            error = response.json()["error"]
+            assert error["code"] == "request_too_large" and "limit of 2000 bytes" in error["message"], error
+        response = http.post("/v1/completions", content=chunked(small), headers=headers)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
+    assert_nothing_left(llm)
+
+
 # --- every field is honoured or refused -----------------------------------------------------------------------
 
 
