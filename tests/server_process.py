@@ -1,8 +1,11 @@
-"""Start and stop `pagedllm serve` in a subprocess for the server tests, and read its /metrics."""
+"""Start and stop `pagedllm serve` in a subprocess for the server tests, and read its /metrics; write the tiny chat
+model they serve."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +18,23 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
+
+# A minimal chat template, so the tiny model can serve /v1/chat/completions.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}{% if message['name'] %} {{ message['name'] }}{% endif %}: "
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def write_chat_model(llama_dir: str, tmp_path_factory) -> str:
+    """A copy of the tiny Llama checkpoint with a chat template added to its tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny_chat_llama")
+    shutil.copytree(llama_dir, directory, dirs_exist_ok=True)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(directory)
 
 
 def free_port() -> int:

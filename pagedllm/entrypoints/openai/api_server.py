@@ -23,6 +23,7 @@ from pagedllm import envs
 from pagedllm.entrypoints.engine_args import engine_kwargs
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.chat_plan import server_parsers
+from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -53,6 +54,11 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
         location = [str(part) for part in item.get("loc", ()) if part != "body"]
         if item.get("type") == "json_invalid":
             return "the request body is not valid JSON", None
+        named = (item.get("ctx") or {}).get("param")  # RequestModel's check of every value names its field
+        if named is not None:
+            param = param or named
+            parts.append(str(item.get("msg")))
+            continue
         if location and param is None:
             param = location[0]
         parts.append(f"{'.'.join(location) or 'body'}: {item.get('msg')}")
@@ -75,6 +81,56 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestSizeLimit:
+    """A request body over max_bytes is a 413 (OpenAI's error body), answered before any of it is parsed: at once
+    from its Content-Length, or as soon as a body sent in chunks passes the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self.refuse(int(declared), scope, receive, send)
+            else:
+                await self.app(scope, receive, send)  # the server holds the client to its Content-Length
+            return
+        body, size, more = [], 0, True  # no Content-Length: read it here, counting, then hand it on
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            body.append(message.get("body", b""))
+            size += len(body[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self.refuse(size, scope, receive, send)
+                return
+        await self.app(scope, replay(b"".join(body), receive), send)
+
+    async def refuse(self, size: int, scope, receive, send) -> None:
+        message = (
+            f"the request body is {size} bytes or more, over this server's limit of {self.max_bytes} bytes "
+            "(pagedllm serve --max-request-bytes)"
+        )
+        await error_response(413, message, "invalid_request_error", code="request_too_large")(scope, receive, send)
+
+
+def replay(body: bytes, receive):
+    """A receive() that gives the body read already, then what the client sends next (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive_again():
+        return pending.pop() if pending else await receive()
+
+    return receive_again
 
 
 async def cancel_on_disconnect(request: Request, work):
@@ -107,7 +163,12 @@ def openai_response(result) -> Response:
     return Response(result.model_dump_json(), media_type="application/json")
 
 
-def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(
+    serving: OpenAIServing,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -160,6 +221,10 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
     async def models() -> Response:
         return openai_response(serving.models())
 
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes ("Qwen/Qwen3-0.6B")
+    async def model(model_id: str) -> Response:
+        return openai_response(serving.model_card(model_id))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return openai_response(await cancel_on_disconnect(request, serving.create_completion(body)))
@@ -175,8 +240,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
         return openai_response(await cancel_on_disconnect(request, responses.create_response(body)))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        return serving.tokenize(body)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return Response(await serving.tokenize(body), media_type="application/json")
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
@@ -184,10 +249,12 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if max_request_bytes:  # outermost: a body over the limit is refused before anything else reads it
+        app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     return app
 
 
@@ -218,6 +285,8 @@ class Server(uvicorn.Server):
 
 
 def run_server(args: argparse.Namespace) -> None:
+    if args.max_request_bytes < 0:
+        raise ValueError(f"--max-request-bytes must be >= 0 (0: no limit), got {args.max_request_bytes}")
     api_key = args.api_key or envs.API_KEY.get() or None
     engine = engine_kwargs(args, "serve")
     llm = AsyncLLM(num_threads=args.threads, core_in_thread=args.engine_core_in_thread, **engine)
@@ -234,7 +303,7 @@ def run_server(args: argparse.Namespace) -> None:
         )
         metrics = ServerMetrics(name, llm.max_model_len)
         llm.stats_listener = metrics
-        app = build_app(OpenAIServing(llm, name, root, parsers), metrics, api_key)
+        app = build_app(OpenAIServing(llm, name, root, parsers), metrics, api_key, args.max_request_bytes)
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.input_processor import process_prompt
 from pagedllm.entrypoints.openai.core_loop import (
     AbortRequests,
     AddRequest,
@@ -51,18 +52,30 @@ class EngineDeadError(RuntimeError):
 class FinishedRequestStats:
     finish_reason: str
     num_prompt_tokens: int
-    num_generation_tokens: int
+    num_generation_tokens: int  # of all its samples
+    max_num_generation_tokens: int  # of its longest sample
     e2e_latency: float  # seconds from add_request to the last token
     queue_time: float  # add_request to first scheduled
     prefill_time: float  # first scheduled to first token
     decode_time: float  # first token to last token
 
 
+@dataclass(slots=True)
+class TokenStats:
+    """What one output of a request brought: its prompt's counts with its first output, else zeros."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int  # of the prompt tokens, those found in the prefix cache
+    num_new_tokens: int
+    ttft: float | None  # seconds from add_request to this output, with the first output
+    itl: float | None  # seconds since the previous output that brought tokens
+
+
 class StatsListener(Protocol):
     """What the server's metrics implement; AsyncLLM calls it from the event loop."""
 
     def record_engine_stats(self, stats: EngineStats) -> None: ...
-    def record_tokens(self, num_prompt_tokens: int, num_new_tokens: int, ttft: float | None, itl: float | None): ...
+    def record_tokens(self, tokens: TokenStats) -> None: ...
     def record_finished(self, request: FinishedRequestStats) -> None: ...
 
 
@@ -118,6 +131,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_generation_tokens = 0
+        self.num_tokens_per_sample: dict[int, int] = {}  # as the outputs arrive (merge() runs when they are read)
 
     def push(self, delta: RequestDelta) -> None:
         self.pending.append(delta)
@@ -255,6 +269,7 @@ class AsyncLLM:
         self.max_model_len = message.max_model_len
         self.vocab_size = message.vocab_size
         self.num_kv_blocks = message.num_kv_blocks
+        self.eos_token_ids = frozenset(message.eos_token_ids)
         self.tokenizer = None
         if message.tokenizer_dir is not None:
             from transformers import AutoTokenizer
@@ -270,20 +285,10 @@ class AsyncLLM:
     # --- requests ---------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """A prompt (str or {"prompt_token_ids": [...]}, optionally with "prompt") -> (text, token ids).
-        Ids are checked against the vocabulary by the engine core."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; give at least one character or token")
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            token_ids = prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list | tuple) or not token_ids:
-                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-            return prompt.get("prompt"), list(token_ids)
-        raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        """A prompt (str, {"prompt": str} or {"prompt_token_ids": [...]}, optionally with "prompt") -> (text, token
+        ids), checked as LLM checks them (ids within the vocabulary, text valid Unicode). It may take seconds for a
+        long text: the server calls it in a worker thread."""
+        return process_prompt(prompt, self.tokenizer, self.vocab_size)
 
     async def add_request(
         self, prompt: str | dict, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -298,12 +303,17 @@ class AsyncLLM:
         request_id = request_id or f"{self.id_prefix}{next(self.request_counter)}"
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = self.tokenize(prompt)  # ids only: quick
+        else:  # text: seconds for megabytes, off the event loop
+            text, token_ids = await asyncio.to_thread(self.tokenize, prompt)
+        params.validate_for_model(self.vocab_size)
+        message = self.encode_request(AddRequest(request_id, text, token_ids, params))
         self.watch_loop()
         stream = RequestStream(self, request_id, text, token_ids)
         self.streams[request_id] = stream
-        self.send(AddRequest(request_id, text, token_ids, params))
         try:
+            self.send_encoded(message)
             await stream.accepted
         except BaseException:
             self.abort(request_id)
@@ -334,9 +344,27 @@ class AsyncLLM:
         for request_id in list(self.streams):
             self.abort(request_id)
 
+    def encode_request(self, message: AddRequest) -> bytes:
+        """The message for the core, or a ValueError for a value msgpack cannot carry (checked before the request
+        is registered, so a refused request leaves nothing behind)."""
+        try:
+            return self.encoder.encode(message)
+        except OverflowError:
+            raise ValueError(
+                "an integer of this request (n, seed, a token id ...) is outside [-2**63, 2**64 - 1]: it cannot be "
+                "sent to the engine core"
+            ) from None
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"a string of this request (a stop string?) is not valid Unicode: {error.reason}"
+            ) from None
+
     def send(self, message) -> None:
+        self.send_encoded(self.encoder.encode(message))
+
+    def send_encoded(self, message: bytes) -> None:
         try:  # never blocks: with the core connected nothing is dropped (no high-water mark); without it, Again
-            self.input_socket.send(self.encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+            self.input_socket.send(message, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise EngineDeadError("the engine core is not connected (it stopped)") from None
 
@@ -403,20 +431,28 @@ class AsyncLLM:
     def record_progress(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         if delta.prompt_token_ids is not None:
             stream.first_scheduled_time = delta.first_scheduled_time
-        num_new_tokens = sum(len(change.token_ids) for change in delta.completions)
+        num_new_tokens = 0
+        for change in delta.completions:
+            num_new_tokens += len(change.token_ids)
+            stream.num_tokens_per_sample[change.index] = stream.num_tokens_per_sample.get(change.index, 0) + len(
+                change.token_ids
+            )
         ttft = itl = None
-        num_prompt_tokens = 0
+        num_prompt_tokens = num_cached_tokens = 0
         if stream.first_token_time is None:
             stream.first_token_time = now
             ttft = now - stream.arrival_time
             num_prompt_tokens = len(delta.prompt_token_ids or stream.prompt_token_ids)
+            num_cached_tokens = delta.num_cached_tokens
         elif num_new_tokens:
             itl = now - stream.last_token_time
         if num_new_tokens:
             stream.last_token_time = now
         stream.num_generation_tokens += num_new_tokens
         if self.stats_listener is not None:
-            self.stats_listener.record_tokens(num_prompt_tokens, num_new_tokens, ttft, itl)
+            self.stats_listener.record_tokens(
+                TokenStats(num_prompt_tokens, num_cached_tokens, num_new_tokens, ttft, itl)
+            )
 
     def record_finished(self, stream: RequestStream, finish_reason: str) -> None:
         if self.stats_listener is None:
@@ -430,6 +466,7 @@ class AsyncLLM:
                 finish_reason=finish_reason,
                 num_prompt_tokens=len(stream.prompt_token_ids),
                 num_generation_tokens=stream.num_generation_tokens,
+                max_num_generation_tokens=max(stream.num_tokens_per_sample.values(), default=0),
                 e2e_latency=max(0.0, last_token - stream.arrival_time),
                 queue_time=max(0.0, scheduled - stream.arrival_time),
                 prefill_time=max(0.0, first_token - scheduled),

@@ -10,6 +10,9 @@ from pagedllm.entrypoints.engine_args import add_engine_flags
 # (a test checks that they agree).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# Generous but finite: a 128k-token prompt is ~0.5 MB of text or ~1 MB of token ids in JSON. A larger body is a 413
+# before any of it is parsed.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         help="split the model's <think>...</think> into reasoning_content: deepseek_r1 (always thinks first), "
         "qwen3 (thinks when it opens <think>)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"a request body larger than this is refused with a 413 (default {DEFAULT_MAX_REQUEST_BYTES} = 32 MiB; "
+        "0: no limit)",
     )
     engine = add_engine_flags(parser, "serve")
     engine.add_argument(

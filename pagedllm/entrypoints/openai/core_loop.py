@@ -44,6 +44,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     vocab_size: int
     num_kv_blocks: int
     tokenizer_dir: str | None  # the engine's tokenizer, saved for the frontend (None with skip_tokenizer_init)
+    eos_token_ids: list[int]  # the tokens that end an output as EOS (the frontend tells them from text)
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
@@ -275,7 +276,13 @@ def ready_message(engine, tokenizer_dir: str) -> Ready:
     if engine.tokenizer is not None:
         engine.tokenizer.save_pretrained(tokenizer_dir)
         saved_dir = tokenizer_dir
-    return Ready(engine.max_model_len, engine.spec.vocab_size, engine.block_manager.num_blocks, saved_dir)
+    return Ready(
+        engine.max_model_len,
+        engine.spec.vocab_size,
+        engine.block_manager.num_blocks,
+        saved_dir,
+        sorted(engine.eos_token_ids),
+    )
 
 
 def run_core_loop(

@@ -3,10 +3,12 @@ place where a request becomes SamplingParams."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling.params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -22,6 +24,69 @@ class InvalidRequestError(ValueError):
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI does
+
+
+# Integers a request can hold: what travels to the engine core (msgpack's 64 bits); each field narrows it further.
+MIN_REQUEST_INT, MAX_REQUEST_INT = -(2**63), 2**64 - 1
+
+
+def check_request_values(value: Any, path: str, param: str) -> None:
+    """Anywhere in a request body, every integer fits in 64 bits and every string is Unicode text (no lone
+    surrogate); otherwise an InvalidRequestError naming the top-level field (`param`) and the place (`path`)."""
+    if isinstance(value, str):
+        check_request_text(value, path, param)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not MIN_REQUEST_INT <= value <= MAX_REQUEST_INT:
+            digits = str(value)
+            shown = digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits.lstrip('-'))} digits)"
+            raise InvalidRequestError(
+                f"{path} is {shown}, which is out of range: an integer in a request must be within "
+                "[-2**63, 2**64 - 1], and within that the field's own range",
+                param,
+            )
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_request_values(item, f"{path}[{index}]", param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_request_values(key, f"{path} (a key)", param)
+            check_request_values(item, f"{path}.{key}", param)
+
+
+def check_request_text(text: str, path: str, param: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise InvalidRequestError(
+            f"{path} holds a lone surrogate U+{code:04X} at character {error.start}: half of a UTF-16 pair, which is "
+            "not a character on its own; send valid Unicode text (in JSON, an escape \\ud800-\\udbff must be "
+            "followed by one \\udc00-\\udfff)",
+            param,
+        ) from None
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its values are checked (check_request_values) before any field is parsed, so no value the
+    engine core cannot take gets past the server (a 400 naming the field instead of a 500)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_values(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                try:
+                    check_request_values(value, str(name), str(name))
+                    continue
+                except RecursionError:
+                    error = InvalidRequestError(f"{name} is nested too deeply", str(name))
+                except InvalidRequestError as refused:
+                    error = refused
+                # pydantic reports it as a validation error, which the server answers with a 400 naming error.param
+                raise PydanticCustomError("invalid_value", "{message}", {"message": str(error), "param": error.param})
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -123,7 +188,7 @@ COMMON_UNSUPPORTED: dict[str, tuple[str, tuple]] = {  # name -> (why, the values
 }
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields are still ignored, but check_supported sees them
@@ -163,10 +228,15 @@ class SamplingRequest(OpenAIBaseModel):
     def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Every request field -> its SamplingParams field (None: SamplingParams' default); a value SamplingParams
         refuses is a 400 with its message."""
-        try:
-            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        logit_bias = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if re.fullmatch(r"-?[0-9]{1,20}", key.strip()) else None
+            if token is None or not 0 <= token <= MAX_REQUEST_INT:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0 written as strings), got {key[:40]!r}",
+                    "logit_bias",
+                )
+            logit_bias[token] = bias
         requested: dict[str, Any] = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -193,7 +263,15 @@ class SamplingRequest(OpenAIBaseModel):
         try:
             return SamplingParams(**{name: value for name, value in requested.items() if value is not None})
         except (ValueError, TypeError) as error:
-            raise InvalidRequestError(str(error)) from None
+            raise InvalidRequestError(str(error), self.field_named_in(str(error))) from None
+
+    def field_named_in(self, message: str) -> str | None:
+        """The first of this request's fields that SamplingParams' message names (its messages start with the
+        field: "n must be ...", "each of stop_token_ids ...")."""
+        found = [
+            (match.start(), name) for name in type(self).model_fields if (match := re.search(rf"\b{name}\b", message))
+        ]
+        return min(found)[1] if found else None
 
 
 class CompletionRequest(SamplingRequest):
@@ -276,6 +354,8 @@ class ChatCompletionRequest(SamplingRequest):
         "chat_template": unsupported("the model's own chat template is used"),
         "mm_processor_kwargs": unsupported("the input is text only"),
         "add_special_tokens": unsupported("the chat template alone places special tokens"),
+        "moderation": unsupported("no moderation is run on the input or the output"),
+        "store": unsupported("completions are not stored", (None, False)),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -291,7 +371,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -299,7 +379,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
@@ -307,10 +387,15 @@ class DetokenizeRequest(OpenAIBaseModel):
 # --- responses ------------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed again)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -4,11 +4,15 @@ or as server-sent events (one chunk per choice carries its finish_reason; usage 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from pagedllm.entrypoints.openai.chat_output import ChatOutput, is_empty
@@ -32,6 +36,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIBaseModel,
+    PromptTokensDetails,
     SamplingRequest,
     TokenLogprob,
     TopLogprob,
@@ -41,6 +46,11 @@ from pagedllm.entrypoints.openai.tools import template_messages
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling.params import SamplingParams
 
+# apply_chat_template's own arguments, which the server sets (and which chat_template_kwargs must not repeat); of
+# them, those a request sends as fields of its own.
+TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+TEMPLATE_ARGUMENTS -= {"self", "kwargs"}
+TEMPLATE_REQUEST_FIELDS = {"add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template"}
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -63,6 +73,12 @@ class ChoiceProgress:
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
+
+
+def aborted_choices(progress: dict[int, ChoiceProgress], num_choices: int) -> list[int]:
+    """The choices a stream that ended had not finished: their requests were aborted (shutdown, or the engine's
+    abort), and each still owes the client a chunk with finish_reason "abort"."""
+    return [index for index in range(num_choices) if index not in progress or not progress[index].finished]
 
 
 def sse(model: OpenAIBaseModel) -> str:
@@ -119,8 +135,12 @@ class OpenAIServing:
             )
 
     def models(self) -> ModelList:
-        card = ModelCard(id=self.served_model_name, root=self.model_root, max_model_len=self.llm.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[self.model_card(self.served_model_name)])
+
+    def model_card(self, model: str) -> ModelCard:
+        """GET /v1/models/{model}: this server's one model, or a 404 for any other name."""
+        self.check_model(model)
+        return ModelCard(id=self.served_model_name, root=self.model_root, max_model_len=self.llm.max_model_len)
 
     def check_length(self, prompt: PromptInput, max_tokens: int | None) -> int:
         """The request's max_tokens (None: all the room left); 400 when prompt + max_tokens exceed max_model_len."""
@@ -170,9 +190,11 @@ class OpenAIServing:
             for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
                 engine_prompt = {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text}
                 streams.append(await self.llm.add_request(engine_prompt, prompt_params, f"{request_id}-{index}"))
-        except BaseException:
+        except BaseException as error:
             for stream in streams:
                 self.llm.abort(stream.request_id)
+            if isinstance(error, ValueError | TypeError) and not isinstance(error, InvalidRequestError):
+                raise InvalidRequestError(str(error), request.field_named_in(str(error))) from None
             raise
         return streams
 
@@ -181,12 +203,14 @@ class OpenAIServing:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
-    def usage(self, prompts: list[PromptInput], num_completion_tokens: int) -> UsageInfo:
+    def usage(self, prompts: list[PromptInput], num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+        """OpenAI's usage; num_cached_tokens: the prompt tokens found in the prefix cache (RequestOutput's)."""
         num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
         )
 
     # --- /v1/completions --------------------------------------------------------------------------------------
@@ -212,7 +236,7 @@ class OpenAIServing:
         request.check_supported()
         if request.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        prompts = self.completion_prompts(request.prompt)
+        prompts = await asyncio.to_thread(self.completion_prompts, request.prompt)  # seconds for megabytes of text
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs
@@ -268,7 +292,7 @@ class OpenAIServing:
             id=request_id,
             model=self.served_model_name,
             choices=choices,
-            usage=self.usage(prompts, num_completion_tokens),
+            usage=self.usage(prompts, num_completion_tokens, sum(output.num_cached_tokens for output in finals)),
         )
 
     async def completion_stream(
@@ -276,9 +300,11 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created = int(time.time())
         progress: dict[int, ChoiceProgress] = {}
+        num_cached_tokens: dict[int, int] = {}  # per prompt
         try:
             async with aclosing(merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
+                    num_cached_tokens[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
                         index = prompt_index * request.n + completion.index
                         choice = progress.setdefault(index, ChoiceProgress())
@@ -290,8 +316,14 @@ class OpenAIServing:
                                 id=request_id, created=created, model=self.served_model_name, choices=[chunk_choice]
                             )
                             yield sse(response)
+            for index in aborted_choices(progress, len(prompts) * request.n):
+                choice = CompletionChoice(index=index, text="", finish_reason="abort")
+                yield sse(
+                    CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=[choice])
+                )
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = self.usage(prompts, sum(choice.num_tokens for choice in progress.values()))
+                num_tokens = sum(choice.num_tokens for choice in progress.values())
+                usage = self.usage(prompts, num_tokens, sum(num_cached_tokens.values()))
                 yield sse(
                     CompletionResponse(
                         id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage
@@ -387,7 +419,7 @@ class OpenAIServing:
                 ChatChoice(
                     index=completion.index,
                     message=message,
-                    logprobs=self.chat_logprobs(request, completion.token_ids, completion.logprobs),
+                    logprobs=self.chat_logprobs(request, completion, completion.token_ids, completion.logprobs),
                     finish_reason=chat_finish_reason(completion.finish_reason, bool(message.tool_calls)),
                     stop_reason=completion.stop_reason,
                 )
@@ -397,7 +429,7 @@ class OpenAIServing:
             id=request_id,
             model=self.served_model_name,
             choices=choices,
-            usage=self.usage([prompt], num_completion_tokens),
+            usage=self.usage([prompt], num_completion_tokens, output.num_cached_tokens),
         )
 
     async def start_chat(
@@ -408,7 +440,9 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_supported()
         plan = plan_chat(request, self.parsers)
-        prompt = self.chat_prompt(
+        check_template_kwargs(request.chat_template_kwargs or {})  # before the tools join them
+        prompt = await asyncio.to_thread(  # the template and the tokenizer: seconds for megabytes of text
+            self.chat_prompt,
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
@@ -421,9 +455,24 @@ class OpenAIServing:
         streams = await self.start_requests(request, [prompt], max_tokens, logprobs, None, request_id, plan.apply)
         return prompt, streams, plan.output(prompt.token_ids)
 
-    def chat_logprobs(self, request: ChatCompletionRequest, token_ids: list[int], positions) -> ChatLogprobs | None:
+    def ends_by_token(self, request: SamplingRequest, completion) -> bool:
+        """The completion ended on an EOS or stop token whose text it leaves out (the engine's rule)."""
+        if completion.finish_reason != "stop" or not completion.token_ids or request.include_stop_str_in_output:
+            return False
+        last, stop_reason = completion.token_ids[-1], completion.stop_reason
+        if stop_reason is None:  # EOS, or a grammar that ended on its last (text) token
+            return last in self.llm.eos_token_ids
+        return type(stop_reason) is int and stop_reason == last
+
+    def chat_logprobs(
+        self, request: ChatCompletionRequest, completion, token_ids: list[int], positions
+    ) -> ChatLogprobs | None:
+        """Chat logprobs of token_ids (the completion's tokens since the last chunk), aligned with the message text:
+        the end token that the text leaves out (<|im_end|>, EOS, a stop token) has none."""
         if not request.logprobs:
             return None
+        if token_ids and self.ends_by_token(request, completion):
+            token_ids = token_ids[:-1]
         content = []
         num_top = request.top_logprobs or 0
         for token_id, entry in zip(token_ids, positions or []):
@@ -463,10 +512,12 @@ class OpenAIServing:
 
         progress = {index: ChoiceProgress() for index in range(request.n)}
         readers = {index: chat_output.stream() for index in progress}
+        num_cached_tokens = 0
         try:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in progress])
             async with aclosing(merge_streams([stream])) as outputs:
                 async for _, output in outputs:
+                    num_cached_tokens = output.num_cached_tokens
                     for completion in output.outputs:
                         choice = progress[completion.index]
                         text = completion.text[choice.text_len :]
@@ -484,13 +535,15 @@ class OpenAIServing:
                         delta = ChatChunkChoice(
                             index=completion.index,
                             delta=message,
-                            logprobs=self.chat_logprobs(request, token_ids, positions),
+                            logprobs=self.chat_logprobs(request, completion, token_ids, positions),
                             finish_reason=chat_finish_reason(completion.finish_reason, reader.made_tool_calls),
                             stop_reason=completion.stop_reason,
                         )
                         yield chunk([delta])
+            for index in aborted_choices(progress, request.n):
+                yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason="abort")])
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = self.usage([prompt], sum(choice.num_tokens for choice in progress.values()))
+                usage = self.usage([prompt], sum(choice.num_tokens for choice in progress.values()), num_cached_tokens)
                 yield chunk([], usage)
         except Exception as error:
             yield f"data: {stream_error(error)}\n\n"
@@ -500,17 +553,22 @@ class OpenAIServing:
 
     # --- /tokenize, /detokenize -------------------------------------------------------------------------------
 
-    def tokenize(self, request) -> dict:
+    async def tokenize(self, request) -> str:
+        """/tokenize's JSON body. Tokenizing and writing out the ids run in a worker thread (seconds for megabytes of
+        text), so other streams go on meanwhile."""
         self.check_model(request.model)
         if self.tokenizer is None:
             raise InvalidRequestError("this server has no tokenizer (skip_tokenizer_init)")
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
+        return await asyncio.to_thread(self.tokenize_to_json, request)
+
+    def tokenize_to_json(self, request) -> str:
         if request.messages is not None:
             token_ids = self.chat_prompt(request.messages, request.add_generation_prompt).token_ids
         else:
             token_ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return {"count": len(token_ids), "max_model_len": self.llm.max_model_len, "tokens": token_ids}
+        return json.dumps({"count": len(token_ids), "max_model_len": self.llm.max_model_len, "tokens": token_ids})
 
     def tokenizer_info(self) -> dict:
         """The tokenizer's special tokens and chat template (vLLM's /tokenizer_info; lm-eval's remote tokenizer)."""
@@ -526,7 +584,7 @@ class OpenAIServing:
             "model_max_length": self.llm.max_model_len,
         }
 
-    def detokenize(self, request) -> dict:
+    async def detokenize(self, request) -> dict:
         self.check_model(request.model)
         if self.tokenizer is None:
             raise InvalidRequestError("this server has no tokenizer (skip_tokenizer_init)")
@@ -536,7 +594,25 @@ class OpenAIServing:
             raise InvalidRequestError(
                 f"tokens holds ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]}", "tokens"
             )
-        return {"prompt": self.tokenizer.decode(request.tokens)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, request.tokens)}
+
+
+def check_template_kwargs(template_kwargs: dict) -> None:
+    """chat_template_kwargs holds the chat template's own variables (enable_thinking, ...); a key that is an argument
+    of apply_chat_template itself, which the server sets, is a 400 saying what to send instead."""
+    for key in template_kwargs:
+        if key in TEMPLATE_REQUEST_FIELDS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs.{key}: {key} is a field of the request itself; send it there, not in "
+                "chat_template_kwargs (which holds the chat template's own variables, e.g. enable_thinking)",
+                "chat_template_kwargs",
+            )
+        if key in TEMPLATE_ARGUMENTS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs.{key}: the server sets {key} itself when it renders the chat template; "
+                "chat_template_kwargs holds only the template's own variables (e.g. enable_thinking)",
+                "chat_template_kwargs",
+            )
 
 
 async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -69,6 +69,16 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(async_llm):
             await async_llm.add_request("x", sampling_params="greedy")
         with pytest.raises(ValueError, match="max_model_len"):
             await async_llm.add_request({"prompt_token_ids": [5] * 300})
+        # values msgpack cannot carry to the core are refused before anything is registered
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await async_llm.add_request({"prompt_token_ids": [5, 2**64]})
+        with pytest.raises(ValueError, match="stop_token_ids holds token id 18446744073709551616"):
+            await async_llm.add_request("x", SamplingParams(stop_token_ids=[2**64]))
+        with pytest.raises(ValueError, match=r"outside \[-2\*\*63, 2\*\*64 - 1\]"):
+            await async_llm.add_request("x", SamplingParams(n=2**64))
+        with pytest.raises(ValueError, match="lone surrogate"):
+            await async_llm.add_request("x \ud800")
+        assert async_llm.streams == {}
         return await collect(async_llm, PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
 
     outputs = asyncio.run(run())

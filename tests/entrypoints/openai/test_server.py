@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import signal
+import threading
 import time
 
 import httpx
@@ -16,31 +16,19 @@ import pytest
 pytest.importorskip("fastapi", reason="the server tests need the serve extra (pip install -e '.[test]')")
 openai = pytest.importorskip("openai")
 
-from server_process import API_KEY, start_server, stop_server  # noqa: E402
-
-# A minimal chat template, so the tiny model can serve /v1/chat/completions.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }}{% if message['name'] %} {{ message['name'] }}{% endif %}: "
-    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
+from server_process import API_KEY, start_server, stop_server, write_chat_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def chat_model_dir(llama_dir, tmp_path_factory) -> str:
-    """The tiny Llama checkpoint with a chat template added to its tokenizer."""
-    directory = tmp_path_factory.mktemp("tiny_chat_llama")
-    shutil.copytree(llama_dir, directory, dirs_exist_ok=True)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return str(directory)
+    return write_chat_model(llama_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    running = start_server(chat_model_dir, log_path, "--max-model-len", "512", "--api-key", API_KEY)
+    limit = ("--max-request-bytes", str(MAX_REQUEST_BYTES))
+    running = start_server(chat_model_dir, log_path, "--max-model-len", "512", "--api-key", API_KEY, *limit)
     yield running
     if running.process.poll() is None:  # test_sigterm_... (the last test) normally stopped it already
         running.process.kill()
@@ -48,6 +36,7 @@ def server(chat_model_dir, tmp_path_factory):
 
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
+MAX_REQUEST_BYTES = 8_000_000
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +156,10 @@ def test_chat_streamed_and_not(client, server, offline_llm):
     content_chunks = [chunk for chunk in chunks if chunk.choices]
     assert "".join(chunk.choices[0].delta.content or "" for chunk in content_chunks) == choice.message.content
     assert [chunk.choices[0].finish_reason for chunk in content_chunks].count("length") == 1
-    assert chunks[-1].usage == whole.usage
+    # the same counts (the streamed request found the prompt's first blocks in the prefix cache, the first did not)
+    assert chunks[-1].usage.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
     max_completion = client.chat.completions.create(
         model=server.model, messages=messages, temperature=0, max_completion_tokens=4
     )
@@ -180,6 +172,16 @@ def test_models_list(client, server):
     raw = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert raw["data"][0]["max_model_len"] == 512
     assert raw["data"][0]["root"] == server.model_dir
+
+
+def test_models_retrieve(client, server):
+    """GET /v1/models/{id}, the served name holding slashes (a path); another name is OpenAI's 404."""
+    model = client.models.retrieve(server.model)
+    assert model.id == server.model and model.object == "model" and "/" in server.model
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert_openai_error(caught.value, 404, "no-such-model")
+    assert caught.value.response.json()["error"]["code"] == "model_not_found"
 
 
 def test_health_version_tokenize_detokenize(server, tokenizer):
@@ -415,7 +417,7 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_client_disconnect_aborts_and_frees_blocks(server, client, stream_client, endpoint):
-    aborted_before = server.metric("pagedllm:request_success_total", finished_reason="abort")
+    aborted_before = server.metric("vllm:request_success_total", finished_reason="abort")
     long_request = dict(model=server.model, stream=True, max_tokens=480, temperature=0)
     if endpoint == "completions":
         stream = stream_client.completions.create(prompt="The quick brown", **long_request)
@@ -424,16 +426,16 @@ def test_client_disconnect_aborts_and_frees_blocks(server, client, stream_client
     for received, _chunk in enumerate(stream, start=1):
         if received == 3:
             break
-    assert server.metric("pagedllm:num_requests_running") == 1  # still generating when the client leaves
+    assert server.metric("vllm:num_requests_running") == 1  # still generating when the client leaves
     stream.close()
-    assert wait_for(lambda: server.metric("pagedllm:request_success_total", finished_reason="abort") > aborted_before)
-    assert wait_for(lambda: server.metric("pagedllm:num_requests_running") == 0)
-    assert server.metric("pagedllm:kv_cache_usage_perc") == 0.0  # its blocks are free
+    assert wait_for(lambda: server.metric("vllm:request_success_total", finished_reason="abort") > aborted_before)
+    assert wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0  # its blocks are free
     assert client.completions.create(model=server.model, prompt="Paris", max_tokens=2).choices
 
 
 def test_non_streamed_disconnect_aborts(server):
-    aborted_before = server.metric("pagedllm:request_success_total", finished_reason="abort")
+    aborted_before = server.metric("vllm:request_success_total", finished_reason="abort")
     body = {"model": server.model, "prompt": "The quick brown", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
@@ -442,8 +444,8 @@ def test_non_streamed_disconnect_aborts(server):
             headers={"Authorization": f"Bearer {API_KEY}"},
             timeout=httpx.Timeout(5.0, read=0.3),
         )
-    assert wait_for(lambda: server.metric("pagedllm:request_success_total", finished_reason="abort") > aborted_before)
-    assert wait_for(lambda: server.metric("pagedllm:kv_cache_usage_perc") == 0.0)
+    assert wait_for(lambda: server.metric("vllm:request_success_total", finished_reason="abort") > aborted_before)
+    assert wait_for(lambda: server.metric("vllm:kv_cache_usage_perc") == 0.0)
 
 
 def test_64_concurrent_streams_equal_llm_generate(server, offline_llm):
@@ -480,29 +482,142 @@ def test_64_concurrent_streams_equal_llm_generate(server, offline_llm):
         assert text == reference.outputs[0].text
         assert finish_reason == reference.outputs[0].finish_reason
         assert num_tokens == len(reference.outputs[0].token_ids)
-    assert wait_for(lambda: server.metric("pagedllm:kv_cache_usage_perc") == 0.0)
+    assert wait_for(lambda: server.metric("vllm:kv_cache_usage_perc") == 0.0)
+
+
+def test_cached_tokens_in_usage_and_metrics(client, stream_client, server):
+    """usage.prompt_tokens_details.cached_tokens counts the prompt tokens found in the prefix cache (whole blocks
+    of 16), streamed and not, for completions and chat; /metrics adds them up in vllm:prompt_tokens_cached_total."""
+    cached_before = server.metric("vllm:prompt_tokens_cached_total")
+    prompt = f"{random.Random().randrange(10**9)} Paged attention keeps the KV cache in fixed-size blocks. " * 2
+    first = client.completions.create(model=server.model, prompt=prompt, **greedy(2)).usage
+    assert first.prompt_tokens > 32 and first.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=server.model, prompt=prompt, **greedy(2)).usage
+    cached = again.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.prompt_tokens and cached % 16 == 0, again
+    options = dict(stream=True, stream_options={"include_usage": True})
+    streamed = list(stream_client.completions.create(model=server.model, prompt=prompt, **options, **greedy(2)))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cached
+    messages = [{"role": "user", "content": prompt}]
+    chat_first = client.chat.completions.create(model=server.model, messages=messages, **greedy(2)).usage
+    chat_streamed = list(client.chat.completions.create(model=server.model, messages=messages, **options, **greedy(2)))
+    chat_cached = chat_streamed[-1].usage.prompt_tokens_details.cached_tokens
+    assert chat_first.prompt_tokens_details.cached_tokens == 0 and 0 < chat_cached < chat_first.prompt_tokens
+    assert server.metric("vllm:prompt_tokens_cached_total") - cached_before == 2 * cached + chat_cached
+
+
+def test_chat_logprobs_leave_out_the_stop_token(client, stream_client, server, offline_llm):
+    """An output ended by a stop token leaves its text out, and so its logprobs: logprobs.content is the message
+    text token by token, streamed and not (the token still counts in usage, as in vLLM)."""
+    from pagedllm import SamplingParams
+
+    messages = [{"role": "user", "content": "Hi"}]
+    reference = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    ids = reference.token_ids
+    end = next(index for index in range(2, len(ids)) if ids[index] not in ids[:index])  # first stops the output
+    request = dict(model=server.model, messages=messages, logprobs=True, temperature=0, max_tokens=12)
+    reply = client.chat.completions.create(**request, extra_body={"stop_token_ids": [ids[end]]})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and reply.usage.completion_tokens == end + 1
+    tokens = [entry.token for entry in choice.logprobs.content]
+    assert len(tokens) == end and "".join(tokens) == choice.message.content
+    chunks = list(
+        stream_client.chat.completions.create(**request, stream=True, extra_body={"stop_token_ids": [ids[end]]})
+    )
+    streamed = [
+        entry.token
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert streamed == tokens
+
+
+def test_a_large_request_does_not_stall_other_streams(server, client, stream_client):
+    """While a request over --max-request-bytes (20 MB) is refused with a 413, and a large prompt under it is
+    tokenized (in a worker thread) and then refused for its length, a small stream goes on: no gap between its
+    chunks comes near the time the large prompt took. (On the event loop the stream stalled for all of it.)"""
+    gaps: list[tuple[float, float]] = []  # (previous chunk, this chunk) of the small streams
+    done = threading.Event()
+
+    def small_streams() -> None:
+        last = time.monotonic()
+        while not done.is_set():  # one stream after another, as long as the large requests last
+            for _chunk in stream_client.completions.create(
+                model=server.model, prompt="The quick", stream=True, **greedy(64)
+            ):
+                now = time.monotonic()
+                gaps.append((last, now))
+                last = now
+
+    streaming = threading.Thread(target=small_streams)
+    streaming.start()
+    assert wait_for(lambda: len(gaps) >= 5)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=server.model, prompt="x" * 20_000_000, max_tokens=1)
+    assert_openai_error(caught.value, 413, f"over this server's limit of {MAX_REQUEST_BYTES} bytes")
+    large_prompt = "Paged attention keeps the KV cache in fixed-size blocks. " * 18_000  # 1 MB
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=server.model, prompt=large_prompt, max_tokens=1)
+    end = time.monotonic()
+    assert_openai_error(caught.value, 400, "maximum context length")
+    done.set()
+    streaming.join(timeout=30)
+    during = [now - previous for previous, now in gaps if now > start and previous < end]
+    bound = max(0.25, min(1.0, (end - start) / 2))
+    assert max(during) < bound, f"a {max(during):.2f} s gap while the large prompt took {end - start:.2f} s"
+    assert len(during) >= 2, f"the small streams stopped while the large prompt ({end - start:.2f} s) ran"
+
+
+# The series vLLM's Grafana dashboard (vllm examples/online_serving/prometheus_grafana/grafana.json) queries, each
+# filtered by {model_name="$model_name"}, the variable it takes from label_values({__name__=~"vllm:.*"}, model_name).
+GRAFANA_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
 
 
 def test_metrics_use_vllm_names(server):
+    """Every series vLLM's Grafana dashboard reads, under vLLM's names and its model_name label, and vLLM v1's
+    newer names beside them; nothing left under another prefix."""
     text = httpx.get(f"{server.base_url}/metrics").text
-    for name in (
-        "pagedllm:num_requests_running",
-        "pagedllm:num_requests_waiting",
-        "pagedllm:kv_cache_usage_perc",
-        "pagedllm:prefix_cache_queries_total",
-        "pagedllm:prefix_cache_hits_total",
-        "pagedllm:num_preemptions_total",
-        "pagedllm:prompt_tokens_total",
-        "pagedllm:generation_tokens_total",
-        "pagedllm:request_success_total",
-        "pagedllm:time_to_first_token_seconds_bucket",
-        "pagedllm:inter_token_latency_seconds_bucket",
-        "pagedllm:e2e_request_latency_seconds_bucket",
-        "pagedllm:request_queue_time_seconds_bucket",
+    for name in GRAFANA_SERIES + (
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_cached_total",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
     ):
-        assert f"\n{name}{{" in text, name
-    assert server.metric("pagedllm:prefix_cache_hits_total") > 0  # the same prompts were sent again and again
-    assert server.metric("pagedllm:generation_tokens_total") >= server.metric("pagedllm:request_success_total")
+        lines = [line for line in text.splitlines() if line.startswith(f"{name}{{")]
+        assert lines and all(f'model_name="{server.model}"' in line for line in lines), name
+    assert all(line.startswith(("#", "vllm:")) for line in text.splitlines() if line), text
+    assert server.metric("vllm:prefix_cache_hits_total") > 0  # the same prompts were sent again and again
+    assert server.metric("vllm:generation_tokens_total") >= server.metric("vllm:request_success_total")
+    assert server.metric("vllm:time_per_output_token_seconds_count") == server.metric(
+        "vllm:inter_token_latency_seconds_count"
+    )
 
 
 # --- these need sampling stage 2 (n > 1, logprobs, stop strings); they must start passing then -------------------
@@ -575,16 +690,27 @@ def test_stop_strings(client, stream_client, server):
 # --- last: stops the module's server ---------------------------------------------------------------------------
 
 
-def test_sigterm_ends_streams_and_exits_zero(server):
-    """SIGTERM with a stream in flight: the stream ends cleanly with [DONE] and the server exits with status 0,
-    having logged no traceback during the whole module. (Last in the file: it stops the shared server.)"""
+def test_sigterm_ends_streams_and_exits_zero(server, stream_client):
+    """SIGTERM with a completion and a chat stream in flight: each ends cleanly, its last choice chunk carrying
+    finish_reason "abort" (so a client can tell a cut answer from a finished one), then [DONE]; the server exits with
+    status 0, having logged no traceback during the whole module. (Last in the file: it stops the shared server.)"""
     body = {"model": server.model, "prompt": "The quick", "max_tokens": 480, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = stream_client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=480, stream=True
+    )
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        assert next(iter(chat)).choices[0].delta.role == "assistant"
         status = stop_server(server, signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
+    chat_rest = list(chat)
     assert status == 0, f"SIGTERM should end the server with status 0, got {status}:\n{server.log()}"
     assert rest and rest[-1] == "data: [DONE]" and len(rest) < 480
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert [choice["finish_reason"] for choice in last["choices"]] == ["abort"]
+    assert all(json.loads(line.removeprefix("data: "))["choices"][0]["finish_reason"] is None for line in rest[:-2])
+    assert chat_rest and chat_rest[-1].choices[0].finish_reason == "abort" and len(chat_rest) < 480
+    assert all(chunk.choices[0].finish_reason is None for chunk in chat_rest[:-1])
     assert "Traceback" not in server.log(), server.log()

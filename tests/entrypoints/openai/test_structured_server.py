@@ -1,6 +1,7 @@
 """The default model (SmolLM2) behind `pagedllm serve`, asked through the openai SDK's parse() for five realistic
 pydantic models at once (nested objects, enums, arrays with min/max items, required fields, number ranges): every
-reply parses into its model; and forced tool calls validate against their tools' schemas."""
+reply parses into its model; forced tool calls validate against their tools' schemas; and a chat reply that ends
+with the model's own end token (<|im_end|>) has no logprob for it."""
 
 from __future__ import annotations
 
@@ -124,3 +125,18 @@ def test_forced_tool_calls_always_validate(server, tool_choice, seed):
         assert choice.finish_reason == "tool_calls", choice.message
         (call,) = choice.message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_chat_logprobs_leave_out_the_end_token(server):
+    """The reply ends with <|im_end|>, which its text leaves out: so do its logprobs, which spell the text token by
+    token (the end token still counts in usage, as in vLLM)."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is 2+2? Reply with just the number."}]
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, logprobs=True, temperature=0, max_tokens=30
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    tokens = [entry.token for entry in choice.logprobs.content]
+    assert "<|im_end|>" not in tokens and "".join(tokens) == choice.message.content
+    assert reply.usage.completion_tokens == len(tokens) + 1
