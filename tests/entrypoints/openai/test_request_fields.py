@@ -76,6 +76,9 @@ IMPLEMENTED = {
         "add_generation_prompt": "test_request_fields.py::test_chat_fields_reach_the_chat_template",
         "continue_final_message": "test_request_fields.py::test_chat_fields_reach_the_chat_template",
         "chat_template_kwargs": "test_request_fields.py::test_chat_fields_reach_the_chat_template",
+        "tools": "test_tools_server.py::test_required_calls_always_validate",
+        "tool_choice": "test_tools_server.py::test_named_calls_always_validate",
+        "parallel_tool_calls": "test_tools_server.py::test_auto_parses_the_calls_the_model_writes",
     },
 }
 # Fields accepted that, by what they mean, change nothing in the output here; each with the reason.
@@ -87,7 +90,6 @@ NO_EFFECT = {
     "completions": COMMON_NO_EFFECT,
     "chat": COMMON_NO_EFFECT
     | {
-        "parallel_tool_calls": "no tools are accepted yet, so there are no tool calls to run in parallel",
         "metadata": "tags for stored completions; nothing is stored",
         "prediction": "a predicted output only makes OpenAI faster; the output is the same",
         "prompt_cache_key": "the prefix cache is automatic and shared; a cache key only routes requests",
@@ -100,7 +102,6 @@ NO_EFFECT = {
 NO_EFFECT_EXAMPLES = {
     "user": "alice",
     "spaces_between_special_tokens": False,
-    "parallel_tool_calls": False,
     "metadata": {"run": "1"},
     "prediction": {"type": "content", "content": "The quick brown fox"},
     "prompt_cache_key": "key",
