@@ -24,7 +24,7 @@ from pagedllm.entrypoints.bench_common import (
     nano_vllm_workload,
     write_random_checkpoint,
 )
-from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs
+from pagedllm.entrypoints.engine_args import engine_kwargs
 
 
 @dataclass
@@ -269,38 +269,6 @@ def print_table(result: dict) -> None:
         f"median of the later runs {rate:,.0f} output tok/s = {result['percent_of_roofline']:.0f}% of the roofline "
         f"(bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
     )
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="pagedllm bench", description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (qwen3-0.6b)")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--repeats", type=positive_int, default=4,
-        help="timed runs: the first, and the median of the others, are reported (4)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--profile", action="store_true",
-        help="print torch.profiler tables of decode steps, then of the workload's prefill steps, before the timed "
-        "runs (with --latency: of one sequence's decode, last)",
-    )  # fmt: skip
-    parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
-    parser.add_argument("--output", help="write the result as JSON here")
-    parser.add_argument("--plot", metavar="PNG", help="draw the median run over time (needs matplotlib)")
-    parser.add_argument(
-        "--latency", action="store_true",
-        help="instead of throughput: one sequence's ms per token (512 tokens in/out, and a 32,000-token context) "
-        "and the time to first token of 8 fresh 128-token prompts",
-    )  # fmt: skip
-    add_engine_flags(parser, "bench")
-    return parser
 
 
 def run(args: argparse.Namespace) -> None:

@@ -1,13 +1,16 @@
 """What `pagedllm bench`, `bench --latency` and the scripts in benchmarks/ share: model shapes and their random
-checkpoints, nano-vllm's workload, the device's ceilings, CUDA-event timing, device time per step from a profiler."""
+checkpoints, nano-vllm's workload, the device's ceilings, CUDA-event timing, device time per step from a profiler.
+torch is imported by the functions that use it: `pagedllm bench --help` reads SHAPES alone."""
 
 from __future__ import annotations
 
 import random
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -40,6 +43,7 @@ SHAPES = {
 
 def write_random_checkpoint(shape: str, directory: Path, device: torch.device) -> Path:
     """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -80,6 +84,8 @@ def nano_vllm_workload(
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(bf16 matmul FLOP/s on random data, device copy bytes/s counting read + write), medians of 10."""
+    import torch
+
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     source = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
@@ -91,6 +97,8 @@ def measure_ceilings(device: torch.device) -> tuple[float, float]:
 
 def median_cuda_ms(function, repeats: int = 10, warmup: int = 3) -> float:
     """The median of `repeats` calls of `function`, each timed by CUDA events, after `warmup` untimed calls."""
+    import torch
+
     for _ in range(warmup):
         function()
     times = []

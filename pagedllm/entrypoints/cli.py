@@ -1,4 +1,7 @@
-"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace."""
+"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace.
+
+Building the parser imports argparse and the flags' rules alone (no torch, no transformers): `pagedllm --help` is
+fast, and the flags are checked before anything heavy is imported. Each command imports what it runs."""
 
 from __future__ import annotations
 
@@ -30,13 +33,24 @@ def package_version() -> str:
         return "(not installed)"
 
 
+class PrintVersion(argparse.Action):
+    """--version: the version is looked up only when asked for (importlib.metadata would add ~0.1 s to every run)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"pagedllm {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm",
         description="A small, readable LLM inference engine. Runs the embedded SmolLM2-135M-Instruct "
         "when no --model is given.",
     )
-    parser.add_argument("--version", action="version", version=f"pagedllm {package_version()}")
+    parser.add_argument("--version", action=PrintVersion, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = commands.add_parser("chat", help="chat in the terminal, answers streamed as they are generated")
     chat.add_argument("--message", help="answer this one message and exit")
@@ -48,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--n", type=int, default=1, help="completions per prompt (sample i uses seed + i)")
     generate.add_argument("--logprobs", type=int, help="print each token's logprob and the N most likely tokens")
     add_common_flags(generate, "generate")
-    from pagedllm.entrypoints.bench import build_parser as build_bench_parser
+    from pagedllm.entrypoints.bench_args import build_parser as build_bench_parser
 
     bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
     build_bench_parser(bench)
@@ -78,7 +92,7 @@ def make_llm(args: argparse.Namespace):
 
 
 def sampling_params(args: argparse.Namespace):
-    from pagedllm import SamplingParams
+    from pagedllm.sampling.params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -212,17 +226,28 @@ def describe_logprobs(completion) -> str:
     return "\n".join(lines)
 
 
+def run_bench(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.bench import run
+
+    run(args)
+
+
+def run_trace_summary(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.trace_summary import run
+
+    run(args)
+
+
+COMMANDS = {
+    "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
+    "trace-summary": run_trace_summary,
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from pagedllm.entrypoints.bench import run as run_bench
-        from pagedllm.entrypoints.trace_summary import run as run_trace_summary
-
-        commands = {
-            "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
-            "trace-summary": run_trace_summary,
-        }  # fmt: skip
-        commands[args.command](args)
+        COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"pagedllm: error: {flag_named_error(error, args)}", file=sys.stderr)
         return 2

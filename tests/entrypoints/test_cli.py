@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,6 +21,36 @@ def test_help_lists_the_commands():
     assert "chat" in result.stdout and "generate" in result.stdout
     chat_help = pagedllm("chat", "--help")
     assert "--message" in chat_help.stdout and "--threads" in chat_help.stdout
+
+
+HELP_BOUND_S = 2.0  # generous: the help takes ~0.2-0.3 s here (a loaded 2-core machine), 2.8 s when it imported torch
+HEAVY_MODULES = ("torch", "transformers", "numpy", "safetensors", "fastapi")
+
+
+@pytest.mark.parametrize("command", ["", "chat", "generate", "bench", "serve", "trace-summary"])
+def test_help_is_quick(command):
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pagedllm", *command.split(), "--help"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "usage: pagedllm" in result.stdout
+    assert elapsed < HELP_BOUND_S, f"pagedllm {command} --help took {elapsed:.2f} s"
+
+
+def test_the_parser_and_every_help_import_nothing_heavy():
+    """What makes --help quick: building the parser and printing every command's help imports no torch."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from pagedllm.entrypoints.cli import build_parser\n"
+        "for command in ([], ['chat'], ['generate'], ['bench'], ['serve'], ['trace-summary']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        build_parser().parse_args([*command, '--help'])\n"
+        f"print([name for name in {HEAVY_MODULES!r} if name in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_generate_two_prompts(llama_dir):
