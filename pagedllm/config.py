@@ -33,6 +33,7 @@ class EngineConfig:
     """What each field means and may hold is its FIELD_RULES entry; resolve() makes its defaults concrete."""
 
     model: str | os.PathLike | None = None
+    gguf_file: str | None = None
     tokenizer: str | os.PathLike | None = None
     skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
@@ -209,6 +210,12 @@ FIELD_RULES: dict[str, Rule] = {
         "HF_HUB_OFFLINE=1 reads the cache alone); None: the embedded default model (SmolLM2-135M-Instruct)",
         (str, os.PathLike, NONE),
         "a model directory, .gguf path or hub id (str or os.PathLike), or None",
+    ),
+    "gguf_file": Rule(
+        "the .gguf file to load when the model is a directory or hub repository holding several (one alone is "
+        "picked by itself)",
+        (str, NONE),
+        "None or the name of a .gguf file in the model's directory or repository",
     ),
     "tokenizer": Rule(
         "a local tokenizer directory; None: the model's own",

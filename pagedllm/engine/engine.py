@@ -89,7 +89,9 @@ class LLMEngine:
         for several ranks. A given one (a stand-in without a device, as in tests and benchmarks) is used as it is:
         its num_kv_blocks sizes the block manager."""
         load_tokenizer = not config.skip_tokenizer_init
-        checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero())
+        checkpoint = open_checkpoint(
+            config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero(), gguf_file=config.gguf_file
+        )
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
         self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
