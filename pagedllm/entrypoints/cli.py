@@ -78,10 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    try:
-        from pagedllm.entrypoints.openai.api_server import run_server
-    except ImportError as error:
-        raise ValueError(f"pagedllm serve needs the serve extra ({error}): pip install 'pagedllm[serve]'") from None
+    from pagedllm.entrypoints.openai.api_server import run_server  # without the serve extra: an ImportError saying so
+
     run_server(args)
 
 
