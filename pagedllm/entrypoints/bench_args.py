@@ -16,9 +16,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
+    return value
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (qwen3-0.6b)")
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--scale", type=positive_fraction,
+        help="the workload scaled: scale x --num-seqs sequences, prompts and outputs scale x [100, 1024] tokens "
+        "(default 1 on a GPU, 1/16 on a CPU)",
+    )  # fmt: skip
     parser.add_argument(
         "--repeats", type=positive_int, default=4,
         help="timed runs: the first, and the median of the others, are reported (4)",
