@@ -1,23 +1,25 @@
 """EngineConfig: every engine setting, checked once when the LLM is built; ResolvedConfig: the same settings with
-every default made concrete for one machine and checkpoint, once, when the engine starts."""
+every default made concrete for one machine and checkpoint, once, when the engine starts.
+
+Importing this module imports no torch (torch is imported by the checks and resolutions that need it), so the
+command line builds its flags from FIELD_RULES and `pagedllm --help` stays fast."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
-from pagedllm.layers.kernel_choices import KernelChoices
-
 if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.layers.kernel_choices import KernelChoices
     from pagedllm.models.spec import DecoderSpec
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch's names of the dtypes an engine runs in
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 ATTENTION_BACKENDS = ("torch", "triton")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
@@ -31,6 +33,7 @@ class EngineConfig:
     """What each field means and may hold is its FIELD_RULES entry; resolve() makes its defaults concrete."""
 
     model: str | os.PathLike | None = None
+    gguf_file: str | None = None
     tokenizer: str | os.PathLike | None = None
     skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
@@ -91,6 +94,8 @@ class EngineConfig:
         DecoderSpec, the dtype its weights are stored in, whether they are FP8); a ValueError when max_model_len is
         past the model's limit or fp8 weights cannot run here. Reads the kernel switches of the environment now
         (pagedllm/envs.py)."""
+        from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
+
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
@@ -130,16 +135,24 @@ class ResolvedConfig:
 @dataclass(frozen=True, slots=True)
 class Rule:
     """What one setting does (`doc`, also its command-line flag's help) and may hold: a TypeError unless its type is
-    one of `types` (a bool never passes as an int), then a ValueError unless `check` accepts it. Both messages name
-    the setting and say what is `allowed`."""
+    one of `types` or `torch_types` (a bool never passes as an int), then a ValueError unless `check` accepts it. Both
+    messages name the setting and say what is `allowed`."""
 
     doc: str
     types: tuple[type, ...]
     allowed: str | Callable[[], str]  # a callable where the answer depends on the machine
     check: Callable[[object], bool] = lambda value: True
+    # torch classes also accepted, by name: reading the rules imports no torch, and no value can be an instance of a
+    # torch class before torch is imported
+    torch_types: tuple[str, ...] = ()
+
+    def accepted_types(self) -> tuple[type, ...]:
+        torch = sys.modules.get("torch")
+        return self.types + (tuple(getattr(torch, name) for name in self.torch_types) if torch else ())
 
     def validate(self, name: str, value: object) -> None:
-        if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
+        types = self.accepted_types()
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{name} must be {self.describe()}, got {type(value).__name__} {value!r}")
         if not self.check(value):
             raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
@@ -149,12 +162,14 @@ class Rule:
 
 
 def is_known_dtype(name: str | torch.dtype) -> bool:
-    return name == "auto" or normalize_dtype_name(name) in DTYPES
+    return name == "auto" or normalize_dtype_name(name) in DTYPE_NAMES
 
 
 def is_usable_device(name: str | torch.device) -> bool:
     if name == "auto":
         return True
+    import torch
+
     try:
         device = torch.device(name)
     except RuntimeError:  # not a device string at all ("tpu", "gpu")
@@ -165,6 +180,8 @@ def is_usable_device(name: str | torch.device) -> bool:
 
 
 def describe_devices() -> str:
+    import torch
+
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_gpus == 0:
         return "'auto' or 'cpu' (torch sees no CUDA GPU, so 'cuda' is not available)"
@@ -194,6 +211,12 @@ FIELD_RULES: dict[str, Rule] = {
         (str, os.PathLike, NONE),
         "a model directory, .gguf path or hub id (str or os.PathLike), or None",
     ),
+    "gguf_file": Rule(
+        "the .gguf file to load when the model is a directory or hub repository holding several (one alone is "
+        "picked by itself)",
+        (str, NONE),
+        "None or the name of a .gguf file in the model's directory or repository",
+    ),
     "tokenizer": Rule(
         "a local tokenizer directory; None: the model's own",
         (str, os.PathLike, NONE),
@@ -203,15 +226,17 @@ FIELD_RULES: dict[str, Rule] = {
     "skip_tokenizer_init": Rule("no tokenizer: prompts are token ids, outputs carry no text", (bool,), BOOL),
     "dtype": Rule(
         "the weights' and activations' dtype; auto: float32 on CPU, on GPU the checkpoint's 16-bit dtype or bfloat16",
-        (str, torch.dtype),
-        f"'auto' or one of {', '.join(DTYPES)} (a str or torch.dtype)",
+        (str,),
+        f"'auto' or one of {', '.join(DTYPE_NAMES)} (a str or torch.dtype)",
         is_known_dtype,
+        torch_types=("dtype",),
     ),
     "device": Rule(
         "where the model runs: cpu, cuda, cuda:1 ...; auto: the first CUDA GPU if torch sees one, else the CPU",
-        (str, torch.device),
+        (str,),
         describe_devices,
         is_usable_device,
+        torch_types=("device",),
     ),
     "seed": Rule(
         "random seed of sampling, for requests that set none of their own",
@@ -305,7 +330,7 @@ FIELD_RULES: dict[str, Rule] = {
 
 
 def normalize_dtype_name(name: str | torch.dtype) -> str:
-    if isinstance(name, torch.dtype):
+    if not isinstance(name, str):  # a torch.dtype
         return str(name).removeprefix("torch.")
     return DTYPE_ALIASES.get(name, name)
 
@@ -344,6 +369,8 @@ def default_threads() -> tuple[int, str]:
 
 def resolve_device(name: str | torch.device) -> torch.device:
     """'auto': the first CUDA GPU if torch sees one, else the CPU (the name itself was checked by EngineConfig)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -353,12 +380,14 @@ def resolve_dtype(
     name: str | torch.dtype, device: torch.device, checkpoint_dtype: torch.dtype | str | None
 ) -> torch.dtype:
     """'auto': float32 on CPU (exact and fast enough there); on GPU the checkpoint's 16-bit dtype, else bfloat16."""
+    import torch
+
     if name != "auto":
-        return DTYPES[normalize_dtype_name(name)]
+        return getattr(torch, normalize_dtype_name(name))
     if device.type == "cpu":
         return torch.float32
     checkpoint_name = normalize_dtype_name(checkpoint_dtype) if checkpoint_dtype else None
-    return DTYPES[checkpoint_name] if checkpoint_name in ("float16", "bfloat16") else torch.bfloat16
+    return getattr(torch, checkpoint_name) if checkpoint_name in ("float16", "bfloat16") else torch.bfloat16
 
 
 def resolve_max_model_len(requested: int | None, spec: DecoderSpec) -> int:

@@ -46,6 +46,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the settings the model's generation_config sets (temperature, top_p, top_k, min_p,
+        repetition_penalty), SamplingParams' defaults elsewhere: what generate() and chat() use when given None, as
+        vLLM's generation_config="auto" does."""
+        return SamplingParams(**self.llm_engine.model_sampling_defaults)
+
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes so the next run computes everything again (benchmarks use this)."""
         self.llm_engine.block_manager.reset_prefix_cache()
@@ -64,6 +70,8 @@ class LLM:
         """
         is_list = isinstance(prompts, list | tuple)
         prompt_list = list(prompts) if is_list else [prompts]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = per_prompt_params(sampling_params, len(prompt_list))
         engine = self.llm_engine
         if engine.requests:

@@ -24,7 +24,7 @@ from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.params import SamplingParams, model_sampling_defaults
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
@@ -89,7 +89,9 @@ class LLMEngine:
         for several ranks. A given one (a stand-in without a device, as in tests and benchmarks) is used as it is:
         its num_kv_blocks sizes the block manager."""
         load_tokenizer = not config.skip_tokenizer_init
-        checkpoint = open_checkpoint(config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero())
+        checkpoint = open_checkpoint(
+            config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero(), gguf_file=config.gguf_file
+        )
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
         self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
@@ -103,6 +105,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.eos_token_ids = eos_token_ids(checkpoint.hf_config, self.tokenizer, checkpoint.generation_config)
+        # What the model's generation_config says to sample with (LLM.get_default_sampling_params, chat's defaults)
+        self.model_sampling_defaults = model_sampling_defaults(checkpoint.generation_config)
         self.requests: dict[str, Request] = {}
         self.request_counter = itertools.count()
         self.async_scheduling = resolved.async_scheduling

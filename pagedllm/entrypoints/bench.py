@@ -2,14 +2,17 @@
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths uniform in [100, 1024] of random
 token ids in [0, 10000); output lengths uniform in [100, 1024]; temperature 0.6; ignore_eos; max_model_len 4096.
+On a CPU the same workload scaled (--scale, CPU_SCALE by default): scale x the sequences and the lengths.
 The model is a real checkpoint of random bf16 weights with a published model's shape, written to disk and
-loaded through the normal loader. Roofline: FLOPs over the measured bf16 matmul rate, and the bytes a decode
-step must read (weights once, plus every sequence's KV) over the measured copy bandwidth.
+loaded through the normal loader. Roofline: FLOPs over the measured matmul rate (bf16 on a GPU, the engine's dtype
+on a CPU), and the bytes a decode step must read (weights once, plus every sequence's KV) over the measured memory
+bandwidth (a GPU's copy, a CPU's read), measured on the engine's own device and threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -21,10 +24,13 @@ from pagedllm.entrypoints.bench_common import (
     SHAPES,
     device_time_per_step,
     measure_ceilings,
-    nano_vllm_workload,
+    measure_cpu_ceilings,
+    scaled_workload,
     write_random_checkpoint,
 )
-from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs
+from pagedllm.entrypoints.engine_args import engine_kwargs
+
+CPU_SCALE = 1 / 16  # 16 sequences, prompts and outputs of 6-64 tokens: a run of seconds on a laptop's CPU
 
 
 @dataclass
@@ -45,20 +51,22 @@ def roofline(
     bandwidth: float,
     kv_cache_dtype: str,
     weight_flops: float | None = None,
-    weight_bytes_per_param: int = 2,
+    value_bytes: int = 2,
+    weight_bytes_per_param: int | None = None,
 ) -> Roofline:
     """Lower bound for the workload: prefill is compute-bound, decode reads weights once per step (all sequences
-    decode together, so steps = the longest output) plus each sequence's whole KV at every token. The layers'
-    linear weights take weight_bytes_per_param bytes and multiply at weight_flops (fp8 weights: 1 byte, fp8's rate;
-    their scales are not counted); the embedding, the lm head and attention stay in bf16 at `flops`."""
+    decode together, so steps = the longest output) plus each sequence's whole KV at every token. value_bytes: the
+    size of a weight (and of a KV value without fp8): 2 for bf16, 4 for float32. The layers' linear weights take
+    weight_bytes_per_param bytes (default value_bytes) and multiply at weight_flops (fp8 weights: 1 byte, fp8's
+    rate; their scales are not counted); the embedding, the lm head and attention run at `flops`."""
     s = SHAPES[shape]
     head_dim = s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
     q_size, kv_size = s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim
     layer_params = s["hidden_size"] * (2 * q_size + 2 * kv_size) + 3 * s["hidden_size"] * s["intermediate_size"]
     body_params, head_params = s["num_hidden_layers"] * layer_params, s["vocab_size"] * s["hidden_size"]
     attention_flops_per_pair = 4 * s["num_hidden_layers"] * q_size  # QK^T and PV, per (query, key) pair
-    # K and V in bf16, or fp8 plus a float32 scale per head
-    kv_bytes_per_head = head_dim + 4 if kv_cache_dtype == "fp8" else 2 * head_dim
+    # K and V in the model's dtype, or fp8 plus a float32 scale per head
+    kv_bytes_per_head = head_dim + 4 if kv_cache_dtype == "fp8" else value_bytes * head_dim
     kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * kv_bytes_per_head
 
     weight_flops = weight_flops or flops
@@ -76,7 +84,7 @@ def roofline(
         2 * body_params * len(decode_contexts),
         2 * head_params * len(decode_contexts) + attention_flops_per_pair * sum(decode_contexts),
     )
-    weight_bytes = weight_bytes_per_param * body_params + 2 * head_params
+    weight_bytes = (weight_bytes_per_param or value_bytes) * body_params + value_bytes * head_params
     decode_bytes = (max(output_lens) - 1) * weight_bytes + kv_bytes_per_token * sum(decode_contexts)
     return Roofline(prefill_s, max(decode_compute_s, decode_bytes / bandwidth))
 
@@ -191,14 +199,14 @@ def profile_prefill(llm, prompts: list[list[int]]) -> dict:
     return result
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
+def run_benchmark(args: argparse.Namespace, device: torch.device) -> dict:
     from pagedllm import LLM
 
-    device = torch.device("cuda")
     checkpoint = Path(args.checkpoint_dir) / args.shape
     if not (checkpoint / "model.safetensors").exists():
         write_random_checkpoint(args.shape, checkpoint, device)
-    prompts, output_lens = nano_vllm_workload(args.num_seqs)
+    scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else CPU_SCALE)
+    prompts, output_lens = scaled_workload(args.num_seqs, scale)
     start = time.perf_counter()
     llm = LLM(str(checkpoint), max_model_len=4096, skip_tokenizer_init=True, **engine_kwargs(args, "bench"))
     load_s = time.perf_counter() - start
@@ -216,19 +224,34 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     # The first run is what a user's first generate() gets; the median is taken over the runs after it.
     later = runs[1:] or runs
     median = sorted(later, key=lambda run: run.total_s)[len(later) // 2]
+    dtype = llm.llm_engine.resolved.dtype
     fp8_weights = args.quantization == "fp8"
-    flops, weight_flops, bandwidth = measure_ceilings(device, fp8=fp8_weights)
-    # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted)
-    ranks = args.tensor_parallel_size
-    bound = roofline(args.shape, prompts, output_lens, flops * ranks, bandwidth * ranks, args.kv_cache_dtype,
-                     weight_flops * ranks, 1 if fp8_weights else 2)  # fmt: skip
+    # A CPU's ceilings with the threads the engine runs (it set torch's); a GPU's in bf16 (and fp8 for fp8 weights)
+    if device.type == "cuda":
+        flops, weight_flops, bandwidth = measure_ceilings(device, fp8=fp8_weights)
+    else:
+        flops, bandwidth = measure_cpu_ceilings(dtype)
+        weight_flops = flops
+    # Tensor parallelism: the ranks' GPUs together (one measured, the rest assumed equal; all-reduces not counted);
+    # CPU ranks share one machine's cores and memory
+    devices = args.tensor_parallel_size if device.type == "cuda" else 1
+    bound = roofline(args.shape, prompts, output_lens, flops * devices, bandwidth * devices, args.kv_cache_dtype,
+                     weight_flops * devices, dtype.itemsize, 1 if fp8_weights else None)  # fmt: skip
     if tracer is not None:
         save_trace_and_plot(llm, args, windows[runs.index(median)], median.output_tokens / bound.total_s)
     num_kv_blocks = llm.llm_engine.worker.num_kv_blocks
     llm.shutdown()  # ends the other ranks, so the next benchmark in this process can start its own
     result = {
         "shape": args.shape,
-        "gpu": torch.cuda.get_device_name(device),
+        ("gpu" if device.type == "cuda" else "cpu"): device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "workload": {
+            "scale": scale,
+            "sequences": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": sum(output_lens),
+        },  # fmt: skip
         "traced": tracer is not None,
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -241,7 +264,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "matmul_tflops": flops / 1e12,
         "weight_matmul_tflops": weight_flops / 1e12,
-        "copy_tb_per_s": bandwidth / 1e12,
+        ("copy_tb_per_s" if device.type == "cuda" else "read_tb_per_s"): bandwidth / 1e12,
         "roofline": asdict(bound) | {"total_s": bound.total_s},
         "percent_of_roofline": 100 * bound.total_s / median.total_s,
     }
@@ -266,13 +289,36 @@ def save_trace_and_plot(llm, args: argparse.Namespace, window: tuple[float, floa
         print(f"plot of the median run written to {args.plot}")
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (Linux's /proc/cpuinfo, else what platform knows)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "CPU"
+
+
 def print_table(result: dict) -> None:
-    median, bound = result["median"], result["roofline"]
+    median, bound, workload = result["median"], result["roofline"], result["workload"]
+    on_gpu = "gpu" in result
+    where = (
+        f"{result['gpu']} x{result['tensor_parallel_size']}"
+        if on_gpu
+        else f"{result['cpu']}, {result['threads']} thread{'s' if result['threads'] > 1 else ''}"
+    )
     print(
-        f"\n{result['shape']} on {result['gpu']} x{result['tensor_parallel_size']}  "
-        f"({'traced, ' if result['traced'] else ''}graphs {'off' if result['enforce_eager'] else 'on'}, "
+        f"\n{result['shape']} ({result['dtype']}) on {where}  "
+        f"({'traced, ' if result['traced'] else ''}graphs {'off' if result['enforce_eager'] or not on_gpu else 'on'}, "
         f"block_size {result['block_size']}, {result['num_kv_blocks']} KV blocks of {result['kv_cache_dtype']}, "
         f"load {result['load_s']:.1f} s)"
+    )
+    print(
+        f"workload: nano-vllm's x{workload['scale']:g}: {workload['sequences']} sequences, "
+        f"{workload['prompt_tokens']:,} prompt tokens, {workload['output_tokens']:,} output tokens"
     )
     print("| | total (s) | prefill (s) | decode (s) | output tok/s |")
     print("|---|---|---|---|---|")
@@ -287,48 +333,27 @@ def print_table(result: dict) -> None:
     )
     first, rate = result["runs"][0]["tokens_per_s"], median["tokens_per_s"]
     fp8 = f", fp8 matmul {result['weight_matmul_tflops']:.0f}" if result["quantization"] == "fp8" else ""
+    if on_gpu:
+        ceilings = f"bf16 matmul {result['matmul_tflops']:.0f}{fp8} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s"
+    else:
+        ceilings = (f"{result['dtype']} matmul {1e3 * result['matmul_tflops']:.0f} GFLOP/s, memory read "
+                    f"{1e3 * result['read_tb_per_s']:.1f} GB/s with the engine's threads")  # fmt: skip
     print(
         f"first run {first:,.0f} output tok/s ({100 * first / rate:.0f}% of the later runs' median); "
         f"median of the later runs {rate:,.0f} output tok/s = {result['percent_of_roofline']:.0f}% of the roofline "
-        f"(bf16 matmul {result['matmul_tflops']:.0f}{fp8} TFLOP/s, copy {result['copy_tb_per_s']:.2f} TB/s measured)"
+        f"({ceilings} measured)"
     )
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="pagedllm bench", description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape (qwen3-0.6b)")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--repeats", type=positive_int, default=4,
-        help="timed runs: the first, and the median of the others, are reported (4)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--profile", action="store_true",
-        help="print torch.profiler tables of decode steps, then of the workload's prefill steps, before the timed "
-        "runs (with --latency: of one sequence's decode, last)",
-    )  # fmt: skip
-    parser.add_argument("--checkpoint-dir", default="/tmp/pagedllm-bench", help="where random checkpoints go")
-    parser.add_argument("--output", help="write the result as JSON here")
-    parser.add_argument("--plot", metavar="PNG", help="draw the median run over time (needs matplotlib)")
-    parser.add_argument(
-        "--latency", action="store_true",
-        help="instead of throughput: one sequence's ms per token (512 tokens in/out, and a 32,000-token context) "
-        "and the time to first token of 8 fresh 128-token prompts",
-    )  # fmt: skip
-    add_engine_flags(parser, "bench")
-    return parser
-
-
 def run(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        raise ValueError("pagedllm bench measures GPU throughput and needs a CUDA GPU")
+    from pagedllm.config import EngineConfig, resolve_device
+
+    EngineConfig(device=args.device)  # a device torch cannot use: the flag's error, before any work
+    device = resolve_device(args.device)
+    if device.type == "cpu" and (args.latency or args.profile):
+        flag = "--latency" if args.latency else "--profile"
+        raise ValueError(f"bench {flag} measures a CUDA GPU (its kernels, a 32,000-token context); on a CPU run "
+                         "bench without it")  # fmt: skip
     if args.plot:
         from pagedllm.trace.plots import require_matplotlib
 
@@ -338,11 +363,11 @@ def run(args: argparse.Namespace) -> None:
 
         checkpoint = Path(args.checkpoint_dir) / args.shape
         if not (checkpoint / "model.safetensors").exists():
-            write_random_checkpoint(args.shape, checkpoint, torch.device("cuda"))
+            write_random_checkpoint(args.shape, checkpoint, device)
         max_positions = SHAPES[args.shape]["max_position_embeddings"]
         latency = run_latency(str(checkpoint), max_positions, args.profile, **engine_kwargs(args, "bench"))
         result = {"shape": args.shape, "tensor_parallel_size": args.tensor_parallel_size, "latency": latency}
     else:
-        result = run_benchmark(args)
+        result = run_benchmark(args, device)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))

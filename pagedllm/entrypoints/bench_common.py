@@ -1,15 +1,25 @@
-"""What `pagedllm bench`, `bench --latency` and the scripts in benchmarks/ share: model shapes and their random
-checkpoints, nano-vllm's workload, the device's ceilings, CUDA-event timing, device time per step from a profiler."""
+"""What `pagedllm bench`, `bench --latency` and benchmarks/ share: shapes and their random checkpoints, nano-vllm's
+workload (scaled for a CPU), a GPU's and a CPU's ceilings, CUDA-event timing, device time per step from a profiler.
+torch is imported inside the functions that use it, so `pagedllm bench --help` reads SHAPES alone."""
 
 from __future__ import annotations
 
 import random
 import statistics
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = {
+    # The embedded default model (SmolLM2-135M-Instruct): the shape a laptop's CPU runs in seconds
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
@@ -41,6 +51,7 @@ SHAPES = {
 def write_random_checkpoint(shape: str, directory: Path, device: torch.device, **overrides) -> Path:
     """config.json + model.safetensors of random bf16 weights (std 0.02, norms 1) with the shape's names; overrides
     replace config fields of the shape (e.g. vocab_size, to match a tokenizer)."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,6 +76,15 @@ def write_random_checkpoint(shape: str, directory: Path, device: torch.device, *
     return directory
 
 
+NANO_VLLM_LENGTHS = (100, 1024)  # its prompt and its output lengths are uniform in this range
+
+
+def scaled_workload(num_seqs: int, scale: float) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's workload with `scale` x the sequences and scale x the prompt and output lengths (at least 1)."""
+    low, high = (max(1, round(scale * length)) for length in NANO_VLLM_LENGTHS)
+    return nano_vllm_workload(max(1, round(scale * num_seqs)), (low, high), (low, high))
+
+
 def nano_vllm_workload(
     num_seqs: int = 256,
     input_len: tuple[int, int] = (100, 1024),
@@ -83,6 +103,8 @@ def measure_ceilings(device: torch.device, fp8: bool = False) -> tuple[float, fl
     """(bf16 matmul FLOP/s on random data, the matmul rate the linear layers' weights run at: fp8's through
     torch._scaled_mm with row scales when fp8, else the bf16 rate again, device copy bytes/s counting read + write),
     medians of 10."""
+    import torch
+
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     source = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
@@ -99,8 +121,35 @@ def measure_ceilings(device: torch.device, fp8: bool = False) -> tuple[float, fl
     return matmul_flops, weight_flops, copy_bytes
 
 
+def measure_cpu_ceilings(dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s in `dtype`, memory bandwidth in bytes/s) of this process's CPU threads, medians of 3. The
+    bandwidth is that of reading 512 MiB (a sum), as a decode step reads its weights and KV."""
+    import torch
+
+    size = 2048
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    values = torch.ones(1 << 27, dtype=torch.float32)  # 512 MiB: past every cache
+    matmul_s = median_host_s(lambda: a @ b)
+    read_s = median_host_s(lambda: values.sum())
+    return 2 * size**3 / matmul_s, values.nbytes / read_s
+
+
+def median_host_s(function, repeats: int = 3, warmup: int = 1) -> float:
+    """The median wall time of `repeats` calls of `function` (CPU work: it is done when the call returns)."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def median_cuda_ms(function, repeats: int = 10, warmup: int = 3) -> float:
     """The median of `repeats` calls of `function`, each timed by CUDA events, after `warmup` untimed calls."""
+    import torch
+
     for _ in range(warmup):
         function()
     times = []

@@ -1,4 +1,7 @@
-"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace."""
+"""The `pagedllm` command: chat with a model, generate completions, benchmark the engine, or summarise a trace.
+
+Building the parser imports argparse and the flags' rules alone (no torch, no transformers): `pagedllm --help` is
+fast, and the flags are checked before anything heavy is imported. Each command imports what it runs."""
 
 from __future__ import annotations
 
@@ -6,17 +9,29 @@ import argparse
 import contextlib
 import sys
 
-from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs, flag_named_error
+from pagedllm.entrypoints.engine_args import add_engine_flags, engine_kwargs, flag, flag_named_error
+
+# Chat's sampling where neither a flag nor the model's generation_config sets it: greedy decoding of a small chat
+# model loops on one sentence (benchmarks/chat_loops.py, benchmarks/NOTES.md "Chat sampling defaults").
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+GENERATE_SAMPLING = {"temperature": 0.0}  # generate: greedy, one completion for a prompt
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def add_common_flags(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per answer (256)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the default; try 0.7")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's probability")
-    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
+    group.description = (
+        f"default: the model's generation_config, else {describe_settings(CHAT_SAMPLING)} (the rest off); "
+        "--message is seeded by --seed: the same command gives the same answer"
+        if command == "chat"
+        else "default: greedy (--temperature 0), the rest off"
+    )
+    group.add_argument("--temperature", type=float, help="0 = greedy; higher, more varied")
+    group.add_argument("--top-p", type=float, help="nucleus sampling mass (1.0 = off)")
+    group.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--min-p", type=float, help="drop tokens below min-p x the top one's probability (0 = off)")
+    group.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (1.0 = off)")
     group.add_argument("--stop", action="append", default=[], help="stop at this text (repeat the flag for several)")
     add_engine_flags(parser, command)
 
@@ -30,13 +45,24 @@ def package_version() -> str:
         return "(not installed)"
 
 
+class PrintVersion(argparse.Action):
+    """--version: the version is looked up only when asked for (importlib.metadata would add ~0.1 s to every run)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"pagedllm {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm",
         description="A small, readable LLM inference engine. Runs the embedded SmolLM2-135M-Instruct "
         "when no --model is given.",
     )
-    parser.add_argument("--version", action="version", version=f"pagedllm {package_version()}")
+    parser.add_argument("--version", action=PrintVersion, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = commands.add_parser("chat", help="chat in the terminal, answers streamed as they are generated")
     chat.add_argument("--message", help="answer this one message and exit")
@@ -48,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--n", type=int, default=1, help="completions per prompt (sample i uses seed + i)")
     generate.add_argument("--logprobs", type=int, help="print each token's logprob and the N most likely tokens")
     add_common_flags(generate, "generate")
-    from pagedllm.entrypoints.bench import build_parser as build_bench_parser
+    from pagedllm.entrypoints.bench_args import build_parser as build_bench_parser
 
-    bench = commands.add_parser("bench", help="GPU throughput on nano-vllm's workload, against the roofline")
+    bench = commands.add_parser(
+        "bench", help="throughput on nano-vllm's workload (scaled on a CPU), against the roofline"
+    )
     build_bench_parser(bench)
     from pagedllm.entrypoints.trace_summary import build_parser as build_trace_summary_parser
 
@@ -64,10 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    try:
-        from pagedllm.entrypoints.openai.api_server import run_server
-    except ImportError as error:
-        raise ValueError(f"pagedllm serve needs the serve extra ({error}): pip install 'pagedllm[serve]'") from None
+    from pagedllm.entrypoints.openai.api_server import run_server  # without the serve extra: an ImportError saying so
+
     run_server(args)
 
 
@@ -77,14 +103,39 @@ def make_llm(args: argparse.Namespace):
     return LLM(**engine_kwargs(args, args.command))
 
 
-def sampling_params(args: argparse.Namespace):
-    from pagedllm import SamplingParams
+def sampling_settings(args: argparse.Namespace, model_defaults: dict) -> tuple[dict, str]:
+    """The sampling flags' values and where they come from: each flag given; for the rest, chat takes what the
+    model's generation_config sets (`model_defaults`) or, where it sets nothing, CHAT_SAMPLING; generate is greedy."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if args.command != "chat":
+        return GENERATE_SAMPLING | given, "generate's default: greedy"
+    if model_defaults:
+        return model_defaults | given, "the model's generation_config"
+    return CHAT_SAMPLING | given, "pagedllm chat's defaults: the model's generation_config sets none"
 
+
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None):
+    """The command's SamplingParams (a ValueError names the flag at fault). Chat's --message is seeded with --seed,
+    so the same command gives the same answer."""
+    from pagedllm.sampling.params import SamplingParams
+
+    settings, _ = sampling_settings(args, model_defaults or {})
+    seed = args.seed if args.command == "chat" and args.message is not None else None
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, stop=args.stop, max_tokens=args.max_tokens,
-        n=getattr(args, "n", 1), logprobs=getattr(args, "logprobs", None),
+        **settings, stop=args.stop, max_tokens=args.max_tokens, seed=seed, n=getattr(args, "n", 1),
+        logprobs=getattr(args, "logprobs", None),
     )  # fmt: skip
+
+
+def describe_settings(settings: dict) -> str:
+    return ", ".join(f"{name} {value:g}" for name, value in settings.items())
+
+
+def describe_sampling(args: argparse.Namespace, model_defaults: dict) -> str:
+    """The chat's start-up line: the settings it samples with and where they come from."""
+    settings, source = sampling_settings(args, model_defaults)
+    given = [flag(name) for name in SAMPLING_FLAGS if getattr(args, name) is not None]
+    return f"sampling with {describe_settings(settings)} ({source}{'; given: ' + ', '.join(given) if given else ''})"
 
 
 def stream_reply(llm, conversation: list[dict], params) -> str:
@@ -140,8 +191,13 @@ def enable_line_editing() -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    params = sampling_params(args)
+    if args.message is not None and not args.message.strip():
+        raise ValueError("--message is empty; give the message to answer")
+    sampling_params(args)  # the flags' values checked before the model loads
     llm = make_llm(args)
+    model_defaults = llm.llm_engine.model_sampling_defaults
+    params = sampling_params(args, model_defaults)
+    print(f"pagedllm chat: {describe_sampling(args, model_defaults)}", file=sys.stderr)
     system = args.system
     conversation = new_conversation(system)
     if args.message is not None:
@@ -175,6 +231,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"cannot read --file: {error}") from None
     if not prompts:
         raise ValueError("give at least one prompt, as arguments or with --file")
+    empty = [index for index, prompt in enumerate(prompts) if not prompt]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty; give at least one character")
     return prompts
 
 
@@ -212,17 +271,28 @@ def describe_logprobs(completion) -> str:
     return "\n".join(lines)
 
 
+def run_bench(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.bench import run
+
+    run(args)
+
+
+def run_trace_summary(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.trace_summary import run
+
+    run(args)
+
+
+COMMANDS = {
+    "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
+    "trace-summary": run_trace_summary,
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from pagedllm.entrypoints.bench import run as run_bench
-        from pagedllm.entrypoints.trace_summary import run as run_trace_summary
-
-        commands = {
-            "chat": run_chat, "generate": run_generate, "bench": run_bench, "serve": run_serve,
-            "trace-summary": run_trace_summary,
-        }  # fmt: skip
-        commands[args.command](args)
+        COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"pagedllm: error: {flag_named_error(error, args)}", file=sys.stderr)
         return 2

@@ -18,10 +18,10 @@ EXCLUDED: dict[str, dict[str, str]] = {
     "generate": {"skip_tokenizer_init": "prompts and completions are text: they need the tokenizer"},
     "bench": {
         "model": "bench writes and loads a checkpoint of random weights of --shape",
+        "gguf_file": "bench writes and loads a checkpoint of random weights of --shape",
         "tokenizer": NO_TOKENIZER,
         "skip_tokenizer_init": NO_TOKENIZER,
         "max_model_len": "the workload sets it: 4096, or with --latency what the shape's longest context needs",
-        "device": "bench measures a CUDA GPU: the first one, and the next ones with --tensor-parallel-size",
     },
 }
 DEFAULTS = {field.name: field.default for field in fields(EngineConfig)}

@@ -55,7 +55,9 @@ def start_worker(
     else opened here. tp: this worker's rank and group; the model holds that rank's shard. device: this rank's
     (resolved.device if None)."""
     free_dropped_engines()
-    checkpoint = checkpoint or open_checkpoint(resolved.config.model, load_tokenizer=False, convert_gguf=False)
+    checkpoint = checkpoint or open_checkpoint(
+        resolved.config.model, load_tokenizer=False, convert_gguf=False, gguf_file=resolved.config.gguf_file
+    )
     worker = Worker(resolved, DecoderSpec.from_hf_config(checkpoint.hf_config), tp, device or resolved.device)
     worker.model, worker.backend, worker.sampler = load_model(worker, checkpoint)
     warmup_peak = warm_up(worker)

@@ -36,19 +36,15 @@ def open_checkpoint(
     tokenizer: str | os.PathLike | None = None,
     load_tokenizer: bool = True,
     convert_gguf: bool = True,
+    gguf_file: str | None = None,
 ) -> Checkpoint:
     """`tokenizer`: a local tokenizer directory that replaces the model's own (never a hub id).
     convert_gguf: a GGUF file without a cached conversion is converted and cached now (the engine's rank 0 does
-    this); otherwise its tensors are dequantized straight from the file, each when read."""
+    this); otherwise its tensors are dequantized straight from the file, each when read.
+    gguf_file: the .gguf file to load from a directory or hub repository that holds several (model_path)."""
     if tokenizer is not None:
         tokenizer = str(Path(tokenizer).expanduser())
-    if model is None:
-        from pagedllm.loader.default_model import default_model_path
-
-        model = str(default_model_path())
-    path = Path(model).expanduser()
-    if not path.exists() and is_hub_id(str(model)):
-        path = hub_snapshot(str(model))
+    path = model_path(model, gguf_file)
     if path.is_file() and path.suffix == ".gguf":
         return open_gguf(path, tokenizer, load_tokenizer, convert_gguf)
     if path.is_dir() and (path / "config.json").exists():
@@ -59,6 +55,43 @@ def open_checkpoint(
         f"model {model!r} is neither a Hugging Face model directory nor a .gguf file, nor a hub id (org/name); pass "
         "one of those, or no model to use the embedded SmolLM2-135M-Instruct"
     )
+
+
+def model_path(model: str | os.PathLike | None, gguf_file: str | None = None) -> Path:
+    """Where the model is: None, the embedded default model; a local path; else a hub id, through the Hugging Face
+    cache. A directory or repository without config.json but with .gguf files gives its one .gguf file, or with
+    several the one `gguf_file` names (which also picks a .gguf file beside a config.json)."""
+    if model is None:
+        from pagedllm.loader.default_model import default_model_path
+
+        model = str(default_model_path())
+    path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(str(model)):
+        return hub_model_path(str(model), gguf_file)
+    if path.is_dir() and (gguf_file is not None or not (path / "config.json").exists()):
+        names = sorted(str(file.relative_to(path)) for file in path.rglob("*.gguf"))
+        name = pick_gguf(names, gguf_file, f"model directory {str(path)!r}")
+        return path / name if name is not None else path
+    if gguf_file is not None:
+        raise ValueError(
+            f"gguf_file={gguf_file!r} picks a .gguf file of a directory or hub repository, but model {str(model)!r} "
+            "is not one; pass the .gguf file's path as the model instead"
+        )
+    return path
+
+
+def pick_gguf(names: list[str], gguf_file: str | None, where: str) -> str | None:
+    """The .gguf file of `where` to load: `gguf_file`, which must be one of `names`; else the only one; None where
+    there is none."""
+    if gguf_file is not None:
+        if gguf_file not in names:
+            raise ValueError(
+                f"gguf_file={gguf_file!r} is not in {where}; its .gguf files: {', '.join(names) or 'none'}"
+            )
+        return gguf_file
+    if len(names) > 1:
+        raise ValueError(f"{where} holds {len(names)} .gguf files ({', '.join(names)}); pick one with gguf_file=NAME")
+    return names[0] if names else None
 
 
 # The files a model needs: config, weights, tokenizer and chat template (no .bin / .pth / .gguf copies of the weights)
@@ -72,27 +105,40 @@ def is_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not name.endswith(".gguf")
 
 
-def hub_snapshot(repo_id: str) -> Path:
-    """The repository's files in the Hugging Face cache (downloaded where the hub is reachable; from the cache alone
-    with HF_HUB_OFFLINE=1 or without network)."""
-    from huggingface_hub import snapshot_download
+def hub_model_path(repo_id: str, gguf_file: str | None) -> Path:
+    """The repository's snapshot in the Hugging Face cache (downloaded where the hub is reachable; from the cache
+    alone with HF_HUB_OFFLINE=1 or without network), or the .gguf file of a GGUF repository (model_path)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        snapshot = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        if gguf_file is None and (snapshot / "config.json").exists():
+            return snapshot
+        name = pick_gguf(hub_gguf_files(repo_id, snapshot), gguf_file, f"model {repo_id!r}")
+        if name is None:
+            raise ValueError(f"model {repo_id!r} has neither a config.json nor a .gguf file")
+        return Path(hf_hub_download(repo_id, name))
     except LocalEntryNotFoundError:
+        download = repo_id if gguf_file is None else f"{repo_id} {gguf_file}"
         raise ValueError(
             f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached (offline, or "
-            f"HF_HUB_OFFLINE=1): run `hf download {repo_id}` where the network is, or pass a local directory"
+            f"HF_HUB_OFFLINE=1): run `hf download {download}` where the network is, or pass a local path"
         ) from None
     except HfHubHTTPError as error:  # no such repository, a gated one without a token...
         raise ValueError(f"model {repo_id!r}: the Hugging Face hub refused it: {error}") from None
-    if not (path / "config.json").exists():
-        raise ValueError(
-            f"model {repo_id!r} has no config.json (a GGUF-only repository?): download the .gguf file you want "
-            f"(`hf download {repo_id} FILE.gguf`) and pass its path"
-        )
-    return path
+
+
+def hub_gguf_files(repo_id: str, snapshot: Path) -> list[str]:
+    """The repository's .gguf files: as the hub lists them, or where it cannot be asked (offline, unreachable), the
+    ones the cached snapshot holds."""
+    from huggingface_hub import list_repo_files
+
+    try:
+        names = list_repo_files(repo_id, revision=snapshot.name)
+    except Exception:  # offline or unreachable, whichever exception the HTTP client raises: the cache then
+        names = [str(file.relative_to(snapshot)) for file in snapshot.rglob("*.gguf")]
+    return sorted(name for name in names if name.endswith(".gguf"))
 
 
 def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -> Checkpoint:

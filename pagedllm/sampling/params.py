@@ -105,6 +105,22 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
+# generation_config.json's names -> SamplingParams' (what vLLM's generation_config="auto" takes from the model)
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}  # fmt: skip
+
+
+def model_sampling_defaults(generation_config) -> dict[str, float | int]:
+    """The sampling settings a model's generation_config (a transformers GenerationConfig, or None) sets itself, by
+    SamplingParams' names: the values its file gives that differ from transformers' defaults, as vLLM reads them."""
+    if generation_config is None:
+        return {}
+    given = generation_config.to_diff_dict()
+    return {ours: given[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if given.get(theirs) is not None}
+
+
 def check_int(name: str, value, low: int, high: int | None = None, allow_none: bool = False) -> int:
     allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     allowed += " or None" if allow_none else ""

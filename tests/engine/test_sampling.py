@@ -204,3 +204,23 @@ def test_penalties_bias_and_min_tokens_equal_a_reference_on_transformers(llama_d
         expected = reference_greedy(model, PROMPTS[2], params, eos=set() if params.ignore_eos else {eos})
         assert output.outputs[0].token_ids == expected, params
     assert outputs[4].outputs[0].token_ids != free_run[:2] and len(outputs[4].outputs[0].token_ids) >= 6
+
+
+def test_the_models_generation_config_gives_the_default_sampling_params(llama_dir, tmp_path):
+    """vLLM's generation_config="auto": get_default_sampling_params() and generate(..., None) take the sampling
+    values of generation_config.json (top_k 1 here: greedy tokens at temperature 0.6); a model without them gets
+    SamplingParams()."""
+    import json
+    import shutil
+
+    model = shutil.copytree(llama_dir, tmp_path / "model")
+    generation_config = json.loads((model / "generation_config.json").read_text())
+    generation_config |= {"do_sample": True, "temperature": 0.6, "top_k": 1}
+    (model / "generation_config.json").write_text(json.dumps(generation_config))
+    llm = LLM(str(model), num_kv_blocks=16)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.6, 1, 16)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    assert tokens(llm, [prompt(0), prompt(1)], None) == tokens(llm, [prompt(0), prompt(1)], greedy)
+    llm.shutdown()
+    assert LLM(llama_dir, num_kv_blocks=16).get_default_sampling_params() == SamplingParams()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,6 +22,36 @@ def test_help_lists_the_commands():
     assert "chat" in result.stdout and "generate" in result.stdout
     chat_help = pagedllm("chat", "--help")
     assert "--message" in chat_help.stdout and "--threads" in chat_help.stdout
+
+
+HELP_BOUND_S = 2.0  # generous: the help takes ~0.2-0.3 s here (a loaded 2-core machine), 2.8 s when it imported torch
+HEAVY_MODULES = ("torch", "transformers", "numpy", "safetensors", "fastapi")
+
+
+@pytest.mark.parametrize("command", ["", "chat", "generate", "bench", "serve", "trace-summary"])
+def test_help_is_quick(command):
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pagedllm", *command.split(), "--help"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "usage: pagedllm" in result.stdout
+    assert elapsed < HELP_BOUND_S, f"pagedllm {command} --help took {elapsed:.2f} s"
+
+
+def test_the_parser_and_every_help_import_nothing_heavy():
+    """What makes --help quick: building the parser and printing every command's help imports no torch."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from pagedllm.entrypoints.cli import build_parser\n"
+        "for command in ([], ['chat'], ['generate'], ['bench'], ['serve'], ['trace-summary']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        build_parser().parse_args([*command, '--help'])\n"
+        f"print([name for name in {HEAVY_MODULES!r} if name in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_generate_two_prompts(llama_dir):
@@ -85,7 +117,8 @@ def test_missing_model_path():
 
 
 def test_interactive_chat_keeps_the_conversation():
-    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--max-tokens", "24"]
+    """Greedy, so that the answers are the same every run (the chat samples by default)."""
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--max-tokens", "24", "--temperature", "0"]
     questions = "What is the capital of France?\nAnd of Germany?\n\n"
     result = subprocess.run(command, input=questions, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
@@ -194,3 +227,91 @@ def test_version_and_python_dash_m():
     assert version.returncode == 0 and version.stdout.startswith("pagedllm ")
     bad = subprocess.run([sys.executable, "-m", "pagedllm", "frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'frobnicate'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", ""], "prompt 0 is empty"),
+        (["generate", "x", ""], "prompt 1 is empty"),
+        (["chat", "--message", " "], "--message is empty"),
+        (["generate", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["chat", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["chat", "--message", "hi", "--max-tokens", "0"], "--max-tokens must be an int >= 1"),
+    ],
+)
+def test_prompts_and_sampling_are_checked_before_the_model_loads(args, message, monkeypatch, capsys):
+    from pagedllm.entrypoints import cli
+
+    def no_model(args):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(cli, "make_llm", no_model)
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def chat_args(*args: str):
+    from pagedllm.entrypoints.cli import build_parser
+
+    return build_parser().parse_args(["chat", *args])
+
+
+def test_chat_samples_with_the_models_generation_config_else_its_own_defaults():
+    from pagedllm.entrypoints.cli import CHAT_SAMPLING, build_parser, describe_sampling, sampling_params
+
+    qwen3_like = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    params = sampling_params(chat_args(), qwen3_like)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.95, 20, 1.0)
+    params = sampling_params(chat_args("--top-k", "5"), qwen3_like)  # a flag given wins
+    assert (params.temperature, params.top_k) == (0.6, 5)
+    params = sampling_params(chat_args(), {})
+    assert {name: getattr(params, name) for name in CHAT_SAMPLING} == CHAT_SAMPLING
+    assert "(pagedllm chat's defaults: the model's generation_config sets none)" in describe_sampling(chat_args(), {})
+    assert "given: --top-k" in describe_sampling(chat_args("--top-k", "5"), qwen3_like)
+    # generate stays greedy whatever the model says; the interactive chat draws from the engine's stream
+    assert sampling_params(build_parser().parse_args(["generate", "x"]), qwen3_like).temperature == 0
+    assert sampling_params(chat_args(), {}).seed is None
+    assert sampling_params(chat_args("--message", "hi", "--seed", "7"), {}).seed == 7
+
+
+def test_chat_message_gives_the_same_answer_each_time(monkeypatch, capsys):
+    """The default model has no generation_config: chat samples with CHAT_SAMPLING, seeded by --seed."""
+    from pagedllm import LLM
+    from pagedllm.entrypoints import cli
+
+    llm = LLM()
+    monkeypatch.setattr(cli, "make_llm", lambda args: llm)
+    answers = []
+    for _ in range(2):
+        assert cli.main(["chat", "--message", "Tell me a story about a dragon.", "--max-tokens", "24"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and len(answers[0].split()) > 5
+    llm.shutdown()
+
+
+def test_chat_in_a_terminal_recalls_history_and_takes_its_commands(llama_dir):
+    """Through a pseudo-terminal, as a user types: the up arrow brings back the last line (readline; it is not
+    printed as ^[[A), /reset forgets, /exit ends the chat with status 0. Only commands are typed, so the tiny model
+    (no chat template) answers nothing."""
+    pexpect = pytest.importorskip("pexpect")
+    command = [sys.executable, "-m", "pagedllm", "chat", "--model", llama_dir, "--max-tokens", "4"]
+    child = pexpect.spawn(command[0], command[1:], env={**os.environ, "TERM": "xterm"}, encoding="utf-8", timeout=120)
+    try:
+        child.expect_exact("> ")
+        child.send("/system Be brief.\r")
+        child.expect_exact("(system prompt set; conversation started over)")
+        child.expect_exact("> ")
+        child.send("\x1b[A")  # the up arrow: the line above comes back, to be edited or sent again
+        assert child.expect_exact(["/system Be brief.", "^[["]) == 0  # no readline: the terminal echoes ^[[A
+        child.send("\r")
+        child.expect_exact("(system prompt set; conversation started over)")
+        child.expect_exact("> ")
+        child.send("/reset\r")
+        child.expect_exact("(conversation forgotten)")
+        child.expect_exact("> ")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

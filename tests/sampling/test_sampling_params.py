@@ -132,3 +132,17 @@ def test_normalisation_follows_vllm():
     assert type(numpy_values.top_k) is int and type(numpy_values.temperature) is float
     assert numpy_values.logit_bias == {3: 1.0} and type(next(iter(numpy_values.logit_bias))) is int
     assert SamplingParams(presence_penalty=0.1).uses_penalties and not SamplingParams().uses_penalties
+
+
+def test_model_sampling_defaults_are_what_its_generation_config_sets():
+    """vLLM's generation_config="auto": the sampling values the file gives; eos ids, do_sample and transformers'
+    own defaults (top_k 50 when the file sets none) are not sampling defaults."""
+    from transformers import GenerationConfig
+
+    from pagedllm.sampling.params import model_sampling_defaults
+
+    qwen3_like = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, eos_token_id=[1, 2])
+    assert model_sampling_defaults(qwen3_like) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert model_sampling_defaults(GenerationConfig(bos_token_id=1, eos_token_id=2)) == {}
+    assert model_sampling_defaults(None) == {}
+    assert SamplingParams(**model_sampling_defaults(GenerationConfig(repetition_penalty=1.2))).repetition_penalty == 1.2

@@ -11,12 +11,17 @@ import os
 import signal
 from collections.abc import AsyncIterator
 
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pagedllm.entrypoints.openai import serve_extra_missing
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ModuleNotFoundError as error:
+    raise serve_extra_missing("pagedllm serve", error) from None
 
 import pagedllm
 from pagedllm import envs

@@ -19,8 +19,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-import zmq
+from pagedllm.entrypoints.openai import serve_extra_missing
+
+try:
+    import msgspec
+    import zmq
+except ModuleNotFoundError as error:
+    raise serve_extra_missing("AsyncLLM", error) from None
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.input_processor import process_prompt

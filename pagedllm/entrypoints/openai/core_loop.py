@@ -10,8 +10,13 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-import zmq
+from pagedllm.entrypoints.openai import serve_extra_missing
+
+try:
+    import msgspec
+    import zmq
+except ModuleNotFoundError as error:
+    raise serve_extra_missing("AsyncLLM's core loop", error) from None
 
 from pagedllm.config import EngineConfig
 from pagedllm.sampling.params import SamplingParams
