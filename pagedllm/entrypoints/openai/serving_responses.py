@@ -41,7 +41,10 @@ from pagedllm.entrypoints.openai.serving import OpenAIServing, PromptInput, fina
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-ABORTED = "the response was cut before it finished: its request was aborted (the server is shutting down)"
+# A response's error when its request ended unfinished: ended by the engine (finish_reason "abort", e.g. a forced output
+# its grammar refused), or its stream cut (the server shutting down aborts every request).
+ENGINE_ABORTED = "the engine aborted the request before the response finished"
+CUT = "the response was cut before it finished: its request was aborted (the server is shutting down)"
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 
 
@@ -292,7 +295,7 @@ class OpenAIServingResponses:
             body.incomplete_details = IncompleteDetails(reason="max_output_tokens")
             items[-1].status = "incomplete"
         if body.status == "failed":
-            body.error = {"code": "server_error", "message": ABORTED}
+            body.error = {"code": "server_error", "message": ENGINE_ABORTED}
         body.usage = self.response_usage(items, prompt, output, completion)
         return body
 
@@ -338,7 +341,7 @@ class OpenAIServingResponses:
                     for event in events.delta(delta):
                         yield event
             if output is None or completion.finish_reason is None:  # the stream ended early: its request was aborted
-                for event in events.fail(self, prompt, output, ABORTED):
+                for event in events.fail(self, prompt, output, CUT):
                     yield event
             else:
                 for event in events.finish(self, prompt, output, completion):
