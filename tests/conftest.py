@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, and their tokenizer; the
-embedded default model's checkpoint (its tokenizer takes seconds to build, so once per session).
+embedded default model's checkpoint (its tokenizer takes seconds to build, so once per session) and its transformers
+reference (transformers' GGUF loader takes half a minute on two cores, so once per session too); `pagedllm serve` on the
+default model, shared by the server tests that need it (a start takes 20-30 s on two cores).
 
 No model hub is reachable, so the tokenizer is a byte-level BPE trained here on a few sentences.
 """
@@ -132,3 +134,27 @@ def default_checkpoint():
     from pagedllm.loader.checkpoint import open_checkpoint
 
     return open_checkpoint(None, convert_gguf=False)
+
+
+@pytest.fixture(scope="session")
+def default_reference():
+    """transformers' model of the embedded default GGUF, dequantized to float32 by transformers' own loader: the
+    oracle for the default model's outputs."""
+    from pagedllm.loader.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """`pagedllm serve` on the embedded default model (max_model_len 1024), its served name in .model; stopped at the
+    end of the session with SIGTERM, which it must meet with status 0, having logged no traceback."""
+    import httpx
+    from server_process import start_server, stop_server
+
+    running = start_server(None, tmp_path_factory.mktemp("default_server") / "server.log", "--max-model-len", "1024")
+    running.model = httpx.get(f"{running.base_url}/v1/models").json()["data"][0]["id"]
+    yield running
+    status = stop_server(running)
+    assert status == 0 and "Traceback" not in running.log(), f"status {status}:\n{running.log()}"

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.loader.default_model import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -25,13 +23,7 @@ def llm():
     return LLM()  # no model: the embedded default
 
 
-@pytest.fixture(scope="module")
-def reference():
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def test_default_model_greedy_matches_transformers(llm, reference):
+def test_default_model_greedy_matches_transformers(llm, default_reference):
     conversations = [[{"role": "user", "content": question}] for question in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outputs = llm.chat(conversations, params, use_tqdm=False)
@@ -39,7 +31,7 @@ def test_default_model_greedy_matches_transformers(llm, reference):
         prompt = llm.chat_prompt(conversation)["prompt_token_ids"]
         input_ids = torch.tensor([prompt])
         with torch.no_grad():
-            expected = reference.generate(
+            expected = default_reference.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 do_sample=False,

@@ -9,29 +9,42 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.protocol import (
+    COMMON_UNSUPPORTED,
     NEUTRAL_VALUES,
     InvalidRequestError,
     OpenAIBaseModel,
+    RequestModel,
     unsupported,
 )
 
 STATELESS = "this server stores no responses or conversations; send the whole conversation as input"
 
+# Fields this server does not honour; any value but a neutral one is a 400 naming the field. (service_tier and the
+# prompt cache's options are accepted and change nothing, as in chat: there is one tier, and the cache is automatic.)
 RESPONSES_UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "previous_response_id": unsupported(STATELESS),
     "conversation": unsupported(STATELESS),
     "prompt": unsupported("stored prompt templates are not kept; send instructions and input"),
     "store": unsupported(STATELESS + " (send store=false)", (None, False)),
     "background": unsupported("responses run in the foreground; stream them instead", (None, False)),
+    "background_options": unsupported(
+        "responses run in the foreground; stream them instead", (*NEUTRAL_VALUES, {"completion_window": "soonest"})
+    ),
     "include": unsupported("there is nothing extra to include (no logprobs, no encrypted reasoning)"),
     "truncation": unsupported("input is never truncated; shorten it", (None, "disabled")),
     "top_logprobs": unsupported("logprobs are not returned by /v1/responses", (None, 0)),
     "max_tool_calls": unsupported("there are no built-in tools to limit"),
-    "service_tier": unsupported("there is one service tier", (None, "auto", "default")),
     "context_management": unsupported("the context is never compacted"),
-    "prompt_cache_retention": unsupported("the prefix cache keeps what fits, as long as it fits"),
-    "prompt_cache_options": unsupported("the prefix cache keeps what fits, as long as it fits"),
     "moderation": unsupported("there is no moderation"),
+    "access_programs": unsupported("there are no access programs", (*NEUTRAL_VALUES, {"cyber": "standard"})),
+    "image": unsupported("the input is text only", (*NEUTRAL_VALUES, {"context_compression": "auto"})),
+    # vLLM's extras
+    "request_id": unsupported("the server names each response itself"),
+    "priority": COMMON_UNSUPPORTED["priority"],
+    "cache_salt": COMMON_UNSUPPORTED["cache_salt"],
+    "mm_processor_kwargs": unsupported("the input is text only"),
+    "enable_response_messages": unsupported("the output is items only, never raw messages"),
+    "previous_input_messages": unsupported(STATELESS),
 }
 
 
@@ -64,7 +77,7 @@ class TextConfig(OpenAIBaseModel):
     verbosity: Literal["medium"] | None = None  # the only one there is: others are a 400 from validation
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, but check_supported sees these
     unsupported_fields: ClassVar[dict[str, tuple[str, tuple]]] = RESPONSES_UNSUPPORTED
 
@@ -86,7 +99,11 @@ class ResponsesRequest(OpenAIBaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, e.g. {"enable_thinking": false}
+    # vLLM's extras
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
 
     def check_supported(self) -> None:
         for name, (why, neutral) in self.unsupported_fields.items():

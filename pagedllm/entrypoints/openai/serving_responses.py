@@ -5,6 +5,7 @@ response.completed (or .incomplete, .failed) last, its output the items the even
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -40,6 +41,10 @@ from pagedllm.entrypoints.openai.serving import OpenAIServing, PromptInput, fina
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# A response's error when its request ended unfinished: ended by the engine (finish_reason "abort", e.g. a forced output
+# its grammar refused), or its stream cut (the server shutting down aborts every request).
+ENGINE_ABORTED = "the engine aborted the request before the response finished"
+CUT = "the response was cut before it finished: its request was aborted (the server is shutting down)"
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 
 
@@ -62,6 +67,9 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         top_p=request.top_p,
         response_format=response_format(request),
         chat_template_kwargs=request.chat_template_kwargs,
+        top_k=request.top_k,
+        logit_bias=request.logit_bias,
+        skip_special_tokens=request.skip_special_tokens,
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -69,9 +77,37 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         )
     except ValidationError as error:
         first = error.errors()[0]
-        location = ".".join(str(part) for part in first["loc"])
-        param = "input" if first["loc"][0] == "messages" else str(first["loc"][0])
-        raise InvalidRequestError(f"{param}: {location}: {first['msg']}", param) from None
+        location = [str(part) for part in first["loc"]]
+        param = (first.get("ctx") or {}).get("param") or (location[0] if location else None)
+        param = RESPONSES_FIELDS.get(param, param)
+        raise InvalidRequestError(f"{param}: {'.'.join(location) or 'body'}: {first['msg']}", param) from None
+
+
+# The chat request's fields that errors may name, as the Responses request calls them; and the phrases of the chat
+# path's messages that name them (in this order). The input keeps its chat name in messages: "messages[2]" counts the
+# conversation the input became, not the input's items.
+RESPONSES_FIELDS = {
+    "messages": "input",
+    "prompt": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+    "structured_outputs": "text",
+}
+RESPONSES_PHRASES = [
+    (re.compile(r"\bresponse_format or structured_outputs\b"), "text.format"),
+    (re.compile(r"\b(?:response_format\.json_schema\.schema|structured_outputs\.json)\b"), "text.format.schema"),
+    (re.compile(r"\b(?:response_format|structured_outputs)\b"), "text.format"),
+    (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+]
+
+
+def in_responses_terms(error: InvalidRequestError) -> InvalidRequestError:
+    """A 400 of the chat path, naming the Responses request's fields instead of the chat request's."""
+    message = str(error)
+    for phrase, replacement in RESPONSES_PHRASES:
+        message = phrase.sub(replacement, message)
+    return InvalidRequestError(message, RESPONSES_FIELDS.get(error.param, error.param))
 
 
 def required(item: dict, key: str, index: int):
@@ -211,7 +247,10 @@ class OpenAIServingResponses:
         request.check_supported()
         chat = chat_request(request)
         response_id = item_id("resp")
-        prompt, streams, chat_output = await self.serving.start_chat(chat, response_id)
+        try:  # the prompt rendered and tokenized in a worker thread, as for any chat request
+            prompt, streams, chat_output = await self.serving.start_chat(chat, response_id)
+        except InvalidRequestError as error:
+            raise in_responses_terms(error) from None
         body = self.response_body(request, response_id)
         if request.stream:
             return self.response_stream(body, prompt, streams[0], chat_output)
@@ -256,21 +295,31 @@ class OpenAIServingResponses:
             body.incomplete_details = IncompleteDetails(reason="max_output_tokens")
             items[-1].status = "incomplete"
         if body.status == "failed":
-            body.error = {"code": "server_error", "message": "the request was aborted before it finished"}
-        num_input, num_output = len(prompt.token_ids), len(completion.token_ids)
-        body.usage = ResponseUsage(
+            body.error = {"code": "server_error", "message": ENGINE_ABORTED}
+        body.usage = self.response_usage(items, prompt, output, completion)
+        return body
+
+    def response_usage(
+        self,
+        items: list[OutputItem],
+        prompt: PromptInput,
+        output: RequestOutput | None,
+        completion: CompletionOutput | None,
+    ) -> ResponseUsage:
+        """Usage of a response, finished or cut (output None: nothing came back yet)."""
+        num_input, num_output = len(prompt.token_ids), len(completion.token_ids) if completion is not None else 0
+        return ResponseUsage(
             input_tokens=num_input,
-            input_tokens_details=InputTokensDetails(cached_tokens=output.num_cached_tokens),
+            input_tokens_details=InputTokensDetails(cached_tokens=output.num_cached_tokens if output else 0),
             output_tokens=num_output,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=self.reasoning_tokens(items, completion)),
             total_tokens=num_input + num_output,
         )
-        return body
 
-    def reasoning_tokens(self, items: list[OutputItem], completion: CompletionOutput) -> int:
+    def reasoning_tokens(self, items: list[OutputItem], completion: CompletionOutput | None) -> int:
         """The tokens up to the end of the thinking (all of them when it never ended)."""
         reasoning = self.serving.parsers.reasoning
-        if reasoning is None or not any(isinstance(item, ReasoningItem) for item in items):
+        if completion is None or reasoning is None or not any(isinstance(item, ReasoningItem) for item in items):
             return 0
         token_ids = list(completion.token_ids)
         end = reasoning.end_token_id
@@ -291,12 +340,15 @@ class OpenAIServingResponses:
                     delta = reader.step(completion.text, completion.finish_reason is not None)
                     for event in events.delta(delta):
                         yield event
-            if output is None or completion.finish_reason is None:
-                raise RuntimeError("the request was aborted: the server is shutting down")
-            for event in events.finish(self, prompt, output, completion):
+            if output is None or completion.finish_reason is None:  # the stream ended early: its request was aborted
+                for event in events.fail(self, prompt, output, CUT):
+                    yield event
+            else:
+                for event in events.finish(self, prompt, output, completion):
+                    yield event
+        except Exception as error:  # the engine stopped
+            for event in events.fail(self, prompt, output, f"the engine stopped: {error}"):
                 yield event
-        except Exception as error:  # the engine stopped: say so in the stream, then end it
-            yield events.event("error", code="server_error", message=str(error), param=None)
         finally:
             self.serving.llm.abort(stream.request_id)
 
@@ -420,3 +472,16 @@ class ResponseEvents:
             body.status, "response.failed"
         )
         return [*events, self.event(terminal, response=body.model_dump())]
+
+    def fail(
+        self, serving: OpenAIServingResponses, prompt: PromptInput, output: RequestOutput | None, message: str
+    ) -> list[str]:
+        """A response cut before it finished (shutdown, an abort, the engine stopping): the item being built is done
+        as incomplete, then response.failed carries the items so far, their usage and the error."""
+        events = self.close("incomplete")
+        body = self.body
+        body.status, body.output = "failed", self.items
+        body.error = {"code": "server_error", "message": message}
+        completion = output.outputs[0] if output is not None else None
+        body.usage = serving.response_usage(self.items, prompt, output, completion)
+        return [*events, self.event("response.failed", response=body.model_dump())]

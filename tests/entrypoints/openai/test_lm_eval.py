@@ -1,12 +1,12 @@
 """lm-eval against `pagedllm serve` on the default model: two small local tasks (generate_until and multiple_choice
 via echo + logprobs) run with `lm_eval --model local-completions`, scores printed; and the multiple-choice
-log-likelihoods equal transformers' on the same GGUF (float32, 1e-3)."""
+log-likelihoods equal transformers' on the same GGUF (float32, 1e-3). The server is the session's default-model one
+(tests/conftest.py), shared with test_structured_server.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("fastapi", reason="the server tests need the serve extra (pip install -e '.[test]')")
 pytest.importorskip("lm_eval", reason="needs lm-eval (pip install -e '.[test]')")
 
-from server_process import start_server, stop_server  # noqa: E402
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = ["pagedllm_capitals", "pagedllm_facts_mc"]
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.slow
 
 def read_jsonl(name: str) -> list[dict]:
     return [json.loads(line) for line in (TASKS_DIR / name).read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    running = start_server(None, tmp_path_factory.mktemp("lm_eval") / "server.log", "--max-model-len", "512")
-    running.model = httpx.get(f"{running.base_url}/v1/models").json()["data"][0]["id"]
-    yield running
-    if running.process.poll() is None:  # test_sigint_exits_zero (the last test) normally stopped it already
-        running.process.kill()
-        running.process.wait()
 
 
 def test_lm_eval_local_completions(default_server, tmp_path):
@@ -71,13 +60,11 @@ def test_lm_eval_local_completions(default_server, tmp_path):
     assert scores["capitals exact_match"] > 0.5  # SmolLM2-135M-Instruct knows most of these capitals
 
 
-def test_multiple_choice_loglikelihoods_equal_transformers(default_server):
+def test_multiple_choice_loglikelihoods_equal_transformers(default_server, default_reference):
     """Each choice's log-likelihood as lm-eval computes it from the server (echo + logprobs over context +
-    continuation tokens) equals the same sum from transformers on the GGUF in float32."""
+    continuation tokens) equals the same sum from transformers on the GGUF in float32. All choices go in one request
+    (a list of prompts) and one padded reference batch."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from pagedllm.loader.default_model import default_model_path
 
     pairs = [(doc["question"], choice) for doc in read_jsonl("facts_mc.jsonl") for choice in doc["choices"]]
 
@@ -85,25 +72,26 @@ def test_multiple_choice_loglikelihoods_equal_transformers(default_server):
         response = httpx.post(f"{default_server.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False})
         return response.json()["tokens"]
 
-    served = []
-    for context, continuation in pairs:
-        whole, context_ids = encode(context + continuation), encode(context)
-        body = {"model": default_server.model, "prompt": whole, "echo": True, "logprobs": 1, "max_tokens": 1}
-        response = httpx.post(f"{default_server.base_url}/v1/completions", json=body | {"temperature": 0}, timeout=60)
-        assert response.status_code == 200, response.text
-        token_logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
-        served.append((whole, len(context_ids), sum(token_logprobs[len(context_ids) : len(whole)])))
+    wholes = [encode(context + continuation) for context, continuation in pairs]
+    context_lens = [len(encode(context)) for context, _ in pairs]
+    body = {"model": default_server.model, "prompt": wholes, "echo": True, "logprobs": 1, "max_tokens": 1}
+    response = httpx.post(f"{default_server.base_url}/v1/completions", json=body | {"temperature": 0}, timeout=120)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+    served = [
+        sum(choice["logprobs"]["token_logprobs"][context_len : len(whole)])
+        for choice, whole, context_len in zip(choices, wholes, context_lens)
+    ]
 
-    path = default_model_path()
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    for (context, continuation), (whole, context_len, served_logprob) in zip(pairs, served):
-        with torch.no_grad():
-            log_softmax = torch.log_softmax(reference(torch.tensor([whole])).logits[0].float(), dim=-1)
-        expected = sum(log_softmax[position - 1, whole[position]].item() for position in range(context_len, len(whole)))
-        assert served_logprob == pytest.approx(expected, abs=1e-3), (context, continuation)
-
-
-def test_sigint_exits_zero(default_server):
-    """Ctrl-C (SIGINT) stops the server cleanly with status 0 and no traceback logged. Last: it stops the server."""
-    assert stop_server(default_server, signal.SIGINT) == 0, default_server.log()
-    assert "Traceback" not in default_server.log(), default_server.log()
+    # Padded on the right: a causal model's logits at the real positions never see the padding.
+    longest = max(len(whole) for whole in wholes)
+    input_ids = torch.tensor([whole + [0] * (longest - len(whole)) for whole in wholes])
+    attention_mask = (torch.arange(longest) < torch.tensor([[len(whole)] for whole in wholes])).long()
+    with torch.no_grad():
+        logits = default_reference(input_ids, attention_mask=attention_mask).logits
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)
+    for row, (pair, whole, context_len) in enumerate(zip(pairs, wholes, context_lens)):
+        expected = sum(
+            log_softmax[row, position - 1, whole[position]].item() for position in range(context_len, len(whole))
+        )
+        assert served[row] == pytest.approx(expected, abs=1e-3), pair

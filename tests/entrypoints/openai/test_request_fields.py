@@ -1,12 +1,15 @@
-"""The server's request bodies, in one process (the app under Starlette's TestClient, AsyncLLM's core in a thread):
-every field a request may carry is honoured or refused with a 400 naming it; values the engine core cannot take
-(integers past 64 bits, lone surrogates) are 400s that leave nothing behind; errors speak in the request's terms."""
+"""The server's request bodies (completions, chat and responses), in one process (the app under Starlette's
+TestClient, AsyncLLM's core in a thread): every field a request may carry is honoured or refused with a 400 naming it;
+values the engine core cannot take (integers past 64 bits, lone surrogates) are 400s that leave nothing behind; errors
+speak in the request's terms."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import re
+import threading
 import typing
 from pathlib import Path
 
@@ -16,6 +19,7 @@ pytest.importorskip("fastapi", reason="the server tests need the serve extra (pi
 openai = pytest.importorskip("openai")
 from openai.types import completion_create_params  # noqa: E402
 from openai.types.chat import completion_create_params as chat_create_params  # noqa: E402
+from openai.types.responses import response_create_params  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 from server_process import write_chat_model  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
@@ -23,8 +27,14 @@ from starlette.testclient import TestClient  # noqa: E402
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 from pagedllm.entrypoints.openai.async_engine import AsyncLLM  # noqa: E402
 from pagedllm.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pagedllm.entrypoints.openai.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequestError,
+)
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest  # noqa: E402
 from pagedllm.entrypoints.openai.serving import OpenAIServing  # noqa: E402
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, chat_request  # noqa: E402
 
 MODEL = "tiny-chat"
 USER = [{"role": "user", "content": "The quick brown"}]
@@ -34,6 +44,7 @@ HERE = Path(__file__).parent
 # directory, "file::function", whose code names the field). Add a field here when it is implemented; a field that
 # is neither here nor in NO_EFFECT must be a 400 naming it (test_every_other_field_is_a_400_naming_it).
 SAMPLING_TEST = "test_request_fields.py::test_sampling_fields_reach_sampling_params"
+RESPONSES_TEST = "test_request_fields.py::test_responses_fields_reach_the_chat_request"
 COMMON_IMPLEMENTED = {
     "model": "test_server.py::test_errors_then_a_good_request",
     "frequency_penalty": SAMPLING_TEST,
@@ -80,6 +91,26 @@ IMPLEMENTED = {
         "tool_choice": "test_tools_server.py::test_named_calls_always_validate",
         "parallel_tool_calls": "test_tools_server.py::test_auto_parses_the_calls_the_model_writes",
     },
+    # /v1/responses runs as a chat request: the fields that become chat fields are checked where they land
+    # (RESPONSES_TEST), what they do end to end in test_tools_server.py.
+    "responses": {
+        "model": "test_request_fields.py::test_responses_model_metadata_and_user",
+        "input": "test_tools_server.py::test_responses_input_items_become_the_conversation",
+        "instructions": "test_tools_server.py::test_responses_text_whole_and_streamed",
+        "stream": "test_tools_server.py::test_responses_text_whole_and_streamed",
+        "tools": "test_tools_server.py::test_responses_function_calls_whole_and_streamed",
+        "tool_choice": "test_tools_server.py::test_responses_named_tool_choice_and_json_text_format",
+        "text": "test_tools_server.py::test_responses_named_tool_choice_and_json_text_format",
+        "max_output_tokens": "test_tools_server.py::test_responses_cut_by_max_output_tokens_are_incomplete",
+        "metadata": "test_request_fields.py::test_responses_model_metadata_and_user",
+        "parallel_tool_calls": RESPONSES_TEST,
+        "temperature": RESPONSES_TEST,
+        "top_p": RESPONSES_TEST,
+        "top_k": RESPONSES_TEST,
+        "logit_bias": RESPONSES_TEST,
+        "skip_special_tokens": RESPONSES_TEST,
+        "chat_template_kwargs": RESPONSES_TEST,
+    },
 }
 # Fields accepted that, by what they mean, change nothing in the output here; each with the reason.
 COMMON_NO_EFFECT = {
@@ -98,6 +129,16 @@ NO_EFFECT = {
         "safety_identifier": "an end-user id for the provider's abuse monitoring; it never changes the output",
         "service_tier": "there is one tier",
     },
+    "responses": {
+        "user": COMMON_NO_EFFECT["user"],
+        "safety_identifier": "an end-user id for the provider's abuse monitoring; it never changes the output",
+        "prompt_cache_key": "the prefix cache is automatic and shared; a cache key only routes requests",
+        "prompt_cache_options": "the prefix cache is automatic and shared",
+        "prompt_cache_retention": "the prefix cache is automatic and shared",
+        "service_tier": "there is one tier",
+        "stream_options": "include_obfuscation pads stream events against length side channels; none are padded, "
+        "and the events say the same",
+    },
 }
 NO_EFFECT_EXAMPLES = {
     "user": "alice",
@@ -109,12 +150,20 @@ NO_EFFECT_EXAMPLES = {
     "prompt_cache_retention": "24h",
     "safety_identifier": "user-1",
     "service_tier": "flex",
+    "stream_options": {"include_obfuscation": True},
 }
-MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "responses": ResponsesRequest}
 SDK_PARAMS = {  # the fields the official SDK may send (it sends `stream` through its overloads)
     "completions": typing.get_type_hints(completion_create_params.CompletionCreateParamsBase),
     "chat": typing.get_type_hints(chat_create_params.CompletionCreateParamsBase),
+    "responses": typing.get_type_hints(response_create_params.ResponseCreateParamsBase),
 }
+BASES = {  # the smallest body of each endpoint
+    "completions": dict(prompt="Paris", max_tokens=3),
+    "chat": dict(messages=USER, max_tokens=3),
+    "responses": dict(input="The quick brown", max_output_tokens=3),
+}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 
 @pytest.fixture(scope="session")
@@ -138,10 +187,9 @@ def app_server(chat_model_dir):
 
 
 def post(http, endpoint: str, fields: dict):
-    body = {"model": MODEL, "max_tokens": 3, **(dict(messages=USER) if endpoint == "chat" else dict(prompt="Paris"))}
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {"model": MODEL, **BASES[endpoint]} | fields
     # json.dumps escapes every non-ASCII character, so a lone surrogate travels as JSON's \\udXXX escape
-    return http.post(path, content=json.dumps(body | fields), headers={"Content-Type": "application/json"})
+    return http.post(PATHS[endpoint], content=json.dumps(body), headers={"Content-Type": "application/json"})
 
 
 def assert_400(response, param: str | None, fragment: str) -> str:
@@ -184,6 +232,24 @@ OUT_OF_RANGE = "out of range: an integer in a request must be within [-2**63, 2*
         ("chat", dict(top_logprobs=BIG, logprobs=True), "top_logprobs", OUT_OF_RANGE),
         ("chat", dict(max_completion_tokens=BIG), "max_completion_tokens", OUT_OF_RANGE),
         ("chat", dict(chat_template_kwargs={"depth": BIG}), "chat_template_kwargs", "chat_template_kwargs.depth"),
+        ("responses", dict(max_output_tokens=BIG), "max_output_tokens", OUT_OF_RANGE),
+        ("responses", dict(temperature=-BIG), "temperature", OUT_OF_RANGE),
+        ("responses", dict(metadata={"run": BIG}), "metadata", "metadata.run is"),
+        (
+            "responses",
+            dict(
+                input=[{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "n": BIG}]}]
+            ),
+            "input",
+            "input[0].output[0].n is",
+        ),
+        (
+            "responses",
+            dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object", "maxProperties": BIG}}]),
+            "tools",
+            "tools[0].parameters.maxProperties is",
+        ),
+        ("responses", dict(max_output_tokens=2**63), "max_output_tokens", "or max_output_tokens."),
         # within 64 bits, outside the field's own range: refused before or by the engine core, all the same
         ("completions", dict(prompt=[2**63]), "prompt", "outside the vocabulary"),
         ("completions", dict(stop_token_ids=[2**63]), "stop_token_ids", "outside the vocabulary"),
@@ -225,6 +291,26 @@ def test_out_of_range_ids_in_tokenize_and_detokenize(app_server):
             dict(messages=[{"role": "user", "content": "hi \udc00"}]),
             "messages",
             "messages[0].content holds a lone surrogate U+DC00",
+        ),
+        ("responses", dict(input="Paris \ud800 is"), "input", "input holds a lone surrogate U+D800 at character 6"),
+        (
+            "responses",
+            dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "\udfff"}]}]),
+            "input",
+            "input[0].content[0].text holds a lone surrogate U+DFFF",
+        ),
+        ("responses", dict(instructions="Be \ud83d"), "instructions", "instructions holds a lone surrogate"),
+        (
+            "responses",
+            dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}),
+            "text",
+            "text.format.schema (a JSON schema) cannot be compiled",
+        ),
+        (
+            "responses",
+            dict(chat_template_kwargs={"tools": []}),
+            "chat_template_kwargs",
+            "chat_template_kwargs.tools: tools is a field of the request itself",
         ),
         (
             "chat",
@@ -326,15 +412,17 @@ def test_sampling_fields_reach_sampling_params():
 
 
 class RecordingTokenizer:
-    """The tokenizer, recording what apply_chat_template is given."""
+    """The tokenizer, recording what apply_chat_template is given, and in which thread."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.chat_template = tokenizer.chat_template
         self.calls: list[dict] = []
+        self.threads: list[threading.Thread] = []
 
     def apply_chat_template(self, conversation, **kwargs):
         self.calls.append(kwargs)
+        self.threads.append(threading.current_thread())
         return self.tokenizer.apply_chat_template(conversation, **kwargs)
 
 
@@ -355,6 +443,49 @@ def test_chat_fields_reach_the_chat_template(app_server):
     serving.chat_prompt(request.messages, add_generation_prompt=True, continue_final_message=True)
     assert recording.calls[-1]["continue_final_message"] is True
     assert recording.calls[-1]["add_generation_prompt"] is False  # continuing the last message adds no new turn
+
+
+def test_responses_fields_reach_the_chat_request():
+    """/v1/responses runs as a chat request: each field it hands on arrives as the chat request's own (whose effect
+    the chat tests show), the sampling ones in SamplingParams."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    request = ResponsesRequest(
+        input="x", instructions="Be brief.", tools=[tool], tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False, max_output_tokens=7, temperature=0.7, top_p=0.9, top_k=5, logit_bias={"7": 3.0},
+        skip_special_tokens=False, chat_template_kwargs={"enable_thinking": False},
+    )  # fmt: skip
+    chat = chat_request(request)
+    assert [(message.role, message.content) for message in chat.messages] == [("system", "Be brief."), ("user", "x")]
+    assert [tool.function.name for tool in chat.tools] == ["f"]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "f"}} and chat.parallel_tool_calls is False
+    assert chat.max_completion_tokens == 7 and chat.chat_template_kwargs == {"enable_thinking": False}
+    params = chat.to_sampling_params(max_tokens=7, logprobs=None, prompt_logprobs=None)
+    sampling = (params.temperature, params.top_p, params.top_k, params.logit_bias, params.skip_special_tokens)
+    assert sampling == (0.7, 0.9, 5, {7: 3.0}, False)
+
+
+def test_responses_model_metadata_and_user(app_server):
+    """Another model's name is a 404; metadata and user come back with the response."""
+    llm, client, http = app_server
+    response = post(http, "responses", dict(model="gpt-4o"))
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model", response.text
+    reply = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, metadata={"run": "1"}, user="alice")
+    assert (reply.model, reply.metadata, reply.user, reply.usage.output_tokens) == (MODEL, {"run": "1"}, "alice", 2)
+    assert_nothing_left(llm)
+
+
+def test_responses_render_the_prompt_in_a_worker_thread(app_server):
+    """/v1/responses' prompt goes through the chat path's worker thread (start_chat), off the event loop: a prompt
+    longer than max_model_len is rendered there, then refused (naming input) before it reaches the engine."""
+    llm, _, _ = app_server
+    serving = OpenAIServing(llm, MODEL, "")
+    serving.tokenizer = recording = RecordingTokenizer(llm.tokenizer)
+    request = ResponsesRequest(model=MODEL, input="fox " * 600)
+    with pytest.raises(InvalidRequestError) as refused:
+        asyncio.run(OpenAIServingResponses(serving).create_response(request))
+    assert refused.value.param == "input" and "maximum context length is 512" in str(refused.value)
+    assert len(recording.threads) == 1 and recording.threads[0] is not threading.current_thread()
+    assert_nothing_left(llm)
 
 
 def field_names(endpoint: str) -> set[str]:
@@ -383,7 +514,7 @@ def a_non_default_value(endpoint: str, name: str):
     model = MODELS[endpoint]
     declared = model.model_fields.get(name)
     neutral = model.unsupported_fields.get(name, (None, ()))[1]
-    base = dict(messages=USER) if endpoint == "chat" else dict(prompt="Paris")
+    base = BASES[endpoint]
     for candidate in (2, "x", ["x"], [{"x": 1}], {"x": 1}, True):
         if candidate in neutral or (declared is not None and candidate == declared.default):
             continue
@@ -395,13 +526,13 @@ def a_non_default_value(endpoint: str, name: str):
     raise AssertionError(f"no value found for {endpoint}.{name}")
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
 def test_every_other_field_is_a_400_naming_it(app_server, endpoint):
     """The fields of the request model, of its list of refused fields and of the official SDK's parameters: each is
     implemented (IMPLEMENTED), has no effect by its meaning (NO_EFFECT), or is a 400 naming it."""
     llm, _, http = app_server
     refused = sorted(field_names(endpoint) - set(IMPLEMENTED[endpoint]) - set(NO_EFFECT[endpoint]))
-    assert "suffix" in refused or endpoint == "chat"
+    assert {"completions": "suffix", "chat": "audio", "responses": "previous_response_id"}[endpoint] in refused
     for name in refused:
         value = a_non_default_value(endpoint, name)
         response = post(http, endpoint, {name: value})
@@ -410,12 +541,18 @@ def test_every_other_field_is_a_400_naming_it(app_server, endpoint):
     assert_nothing_left(llm)
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
 def test_fields_without_effect_are_accepted_and_change_nothing(app_server, endpoint):
     _, _, http = app_server
     examples = {name: NO_EFFECT_EXAMPLES[name] for name in NO_EFFECT[endpoint]}
     plain = post(http, endpoint, dict(temperature=0, max_tokens=6))
     with_them = post(http, endpoint, dict(temperature=0, max_tokens=6) | examples)
     assert plain.status_code == with_them.status_code == 200, with_them.text
-    choice = "message" if endpoint == "chat" else "text"
-    assert plain.json()["choices"][0][choice] == with_them.json()["choices"][0][choice]
+    assert reply_text(endpoint, plain.json()) == reply_text(endpoint, with_them.json())
+
+
+def reply_text(endpoint: str, body: dict) -> str:
+    if endpoint == "responses":
+        return "".join(part["text"] for item in body["output"] for part in item["content"])
+    choice = body["choices"][0]
+    return choice["message"]["content"] if endpoint == "chat" else choice["text"]

@@ -691,21 +691,30 @@ def test_stop_strings(client, stream_client, server):
 
 
 def test_sigterm_ends_streams_and_exits_zero(server, stream_client):
-    """SIGTERM with a completion and a chat stream in flight: each ends cleanly, its last choice chunk carrying
-    finish_reason "abort" (so a client can tell a cut answer from a finished one), then [DONE]; the server exits with
-    status 0, having logged no traceback during the whole module. (Last in the file: it stops the shared server.)"""
+    """SIGTERM with a completion, a chat and a Responses stream in flight: each ends cleanly, the completion's and
+    the chat's last choice chunk carrying finish_reason "abort" (so a client can tell a cut answer from a finished one),
+    then [DONE]; the response's last event is response.failed (status "failed", error code "server_error"). The server
+    exits with status 0, having logged no traceback during the whole module. (Last in the file: it stops the shared
+    server.)"""
     body = {"model": server.model, "prompt": "The quick", "max_tokens": 480, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     chat = stream_client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=480, stream=True
     )
+    response = stream_client.responses.create(model=server.model, input="Hi", max_output_tokens=480, stream=True)
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
         assert next(iter(chat)).choices[0].delta.role == "assistant"
+        assert next(iter(response)).type == "response.created"
         status = stop_server(server, signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
     chat_rest = list(chat)
+    events = list(response)
+    assert [event.type for event in events].count("response.failed") == 1 and events[-1].type == "response.failed"
+    cut = events[-1].response
+    assert (cut.status, cut.error.code) == ("failed", "server_error") and "aborted" in cut.error.message
+    assert cut.usage.output_tokens < 480 and all(item.status == "incomplete" for item in cut.output)
     assert status == 0, f"SIGTERM should end the server with status 0, got {status}:\n{server.log()}"
     assert rest and rest[-1] == "data: [DONE]" and len(rest) < 480
     last = json.loads(rest[-2].removeprefix("data: "))

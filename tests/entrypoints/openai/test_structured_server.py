@@ -15,7 +15,6 @@ pytest.importorskip("fastapi", reason="the server tests need the serve extra (pi
 pytest.importorskip("llguidance", reason="structured outputs need the structured extra")
 openai = pytest.importorskip("openai")
 from pydantic import BaseModel, Field  # noqa: E402
-from server_process import start_server, stop_server  # noqa: E402
 
 
 class Address(BaseModel):
@@ -69,10 +68,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    running = start_server(None, tmp_path_factory.mktemp("structured") / "server.log", "--max-model-len", "1024")
-    yield running
-    stop_server(running)
+def server(default_server):
+    return default_server  # the session's default-model server (tests/conftest.py), shared with test_lm_eval.py
 
 
 def test_every_reply_parses_into_its_pydantic_model(server):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 from typing import Literal
 
 import httpx
@@ -39,7 +40,8 @@ def server(scripted_dir, tmp_path_factory):
         scripted_dir, tmp_path_factory.mktemp("tools") / "server.log", *flags, "--reasoning-parser", "qwen3"
     )
     yield running
-    stop_server(running)
+    if running.process.poll() is None:  # test_sigint_exits_zero (the last test) normally stopped it already
+        stop_server(running)
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +430,12 @@ def test_an_openai_agents_loop_calls_a_tool_and_answers(server):
     assert [request.get("tool_choice") for request in sent] == ["required", None]
     fed_back = [item for item in sent[1]["input"] if item.get("type") == "function_call_output"]
     assert [item["output"] for item in fed_back] == [f"sunny in {called[0]}"]
+
+
+# --- last: stops the module's server ---------------------------------------------------------------------------
+
+
+def test_sigint_exits_zero(server):
+    """Ctrl-C (SIGINT) stops the server cleanly with status 0, having logged no traceback during the whole module."""
+    assert stop_server(server, signal.SIGINT) == 0, server.log()
+    assert "Traceback" not in server.log(), server.log()
