@@ -26,7 +26,7 @@ from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 GROUP = 32  # values per scale and zero, the kernel's smallest group
 KERNEL_DTYPE = torch.bfloat16
-KERNEL_MAX_ROWS = 32  # up to this many rows of x go through the int4 kernel, more dequantize the weight
+KERNEL_MAX_ROWS = 256  # up to this many rows of x go through the int4 kernel, more dequantize the weight
 ROW_BLOCK = 64  # the kernel's packing lays out 64 output rows at a time (unpacked by `int4_values`)
 
 
