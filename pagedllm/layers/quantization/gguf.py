@@ -7,9 +7,10 @@ and a zero each, weight = (value - 8) x scale + zero, the form torch's `_weight_
   block's: the weight has twice the columns [high | low] and multiplies [x, x].
 - Any other type (Q6_K, Q2_K, IQ*...), or a layer mixing one with these, is dequantized to the model's dtype.
 
-A few rows (decode steps) go through the int4 kernel, in bfloat16 (its only vectorised path: float32 activations
-are cast to it and back); more rows (prompt steps) dequantize the layer's weight for the call and run a float GEMM,
-where the kernel's cost per row is higher than the dequantization shared by all rows.
+Every product goes through the int4 kernel, in bfloat16 (its only vectorised path: float32 activations are cast to
+it and back). Its rows are computed independently (the same bits for a row whatever the others), so greedy output
+does not change with batch composition, chunking or prefix caching; a float GEMM for large steps (prompts) would be
+~2.5x faster there but would change a row's result with the step's size.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 GROUP = 32  # values per scale and zero, the kernel's smallest group
 KERNEL_DTYPE = torch.bfloat16
-KERNEL_MAX_ROWS = 256  # up to this many rows of x go through the int4 kernel, more dequantize the weight
-ROW_BLOCK = 64  # the kernel's packing lays out 64 output rows at a time (unpacked by `int4_values`)
+ROW_BLOCK = 64  # rows are padded to a multiple of this (the kernel packs 64 output rows at a time)
 
 
 @dataclass(slots=True)
@@ -190,15 +190,6 @@ def pack(weight: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack([scales.t(), zeros.t()], -1).to(KERNEL_DTYPE).contiguous()
 
 
-def int4_values(packed: torch.Tensor) -> torch.Tensor:
-    """The kernel's packing undone: [N', C / 2] bytes -> values uint8 [N', C]. Each ROW_BLOCK rows are stored as
-    [C, 32] bytes, row r's value in the low nibble, row r + 32's in the high one (torch 2.13's layout, checked by
-    tests/layers/test_gguf_weights.py against the packing itself)."""
-    rows, columns = packed.shape[0], packed.shape[1] * 2
-    tiles = packed.view(rows // ROW_BLOCK, columns, ROW_BLOCK // 2)
-    return torch.cat([tiles & 15, tiles >> 4], 2).transpose(1, 2).reshape(rows, columns)
-
-
 class GGUFLinearMethod(UnquantizedLinearMethod):
     """A linear layer whose weight stays in GGUF blocks, as int4 groups (above). Each part of the weight (a shard of
     a packed qkv or gate_up layer, or the whole) is decoded as it loads; `finish_loading` packs the parts for the
@@ -246,26 +237,14 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.quantized:
             return super().apply(layer, x, bias)
-        if x.shape[0] <= KERNEL_MAX_ROWS:
-            activations = x.to(KERNEL_DTYPE)
-            if self.halves:
-                activations = torch.cat([activations, activations], 1)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                activations, layer.weight, GROUP, layer.weight_scales_and_zeros
-            )
-            out = out[:, : self.out_features].to(x.dtype)
-        else:
-            out = self.product(x, self.dequantized_weight(layer, x.dtype))
+        activations = x.to(KERNEL_DTYPE)
+        if self.halves:
+            activations = torch.cat([activations, activations], 1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            activations, layer.weight, GROUP, layer.weight_scales_and_zeros
+        )
+        out = out[:, : self.out_features].to(x.dtype)
         return out if bias is None else out + bias
-
-    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [N, K] the packed groups stand for, in `dtype`."""
-        values = int4_values(layer.weight)[: self.out_features]
-        rows, columns = values.shape
-        scales = layer.weight_scales_and_zeros[:, : self.out_features].to(dtype)
-        grouped = (values.view(rows, -1, GROUP).to(dtype) - 8) * scales[..., 0].t()[..., None]
-        weight = (grouped + scales[..., 1].t()[..., None]).view(rows, columns)
-        return weight[:, : columns // 2] + weight[:, columns // 2 :] if self.halves else weight
 
     def describe(self) -> str:
         """'Q4_1' (kept quantized) or 'Q6_K dequantized' (kept in float), for the start-up log."""
