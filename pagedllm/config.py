@@ -23,7 +23,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
-QUANTIZATIONS = ("auto", "fp8", "gguf")  # the linear layers' weight formats (layers/quantization/), or None
+# The linear layers' weight formats (layers/quantization/); "none" (the command line's None) the same as None
+QUANTIZATIONS = ("auto", "none", "fp8", "gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,8 +298,8 @@ FIELD_RULES: dict[str, Rule] = {
         "the linear layers' weights: auto, the checkpoint's where the device runs it (an FP8 checkpoint's fp8 on a "
         "GPU of compute capability 9.0+, a GGUF file's blocks on CPU), else dequantized; fp8, float8 e4m3 with "
         "scales on such a GPU (a 16-bit checkpoint quantized at load); gguf, a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/"
-        "Q8_0/Q4_K/Q5_K blocks kept on CPU (other types dequantized); None, the model's dtype (any checkpoint "
-        "dequantized)",
+        "Q8_0/Q4_K/Q5_K blocks kept on CPU (other types dequantized); None or none, the model's dtype (any "
+        "checkpoint dequantized)",
         (str, NONE),
         f"None or one of {QUANTIZATIONS}",
         lambda value: value is None or value in QUANTIZATIONS,

@@ -35,14 +35,14 @@ def resolve_quantization(
     """The linear layers' weight format. "auto": the checkpoint's where the device runs it: an FP8 checkpoint keeps
     FP8 weights where the GPU runs them (not with attention_backend='torch': plain torch everywhere), a GGUF file
     its blocks on CPU; dequantized elsewhere. "fp8" or "gguf": that format, or a ValueError saying why it cannot run
-    here. None: unquantized. Row or block scaling of fp8 from PAGEDLLM_FP8_SCALING. FP8 weights quantize activations
-    with a Triton kernel, asked for or not."""
+    here. None (or "none"): unquantized. Row or block scaling of fp8 from PAGEDLLM_FP8_SCALING. FP8 weights
+    quantize activations with a Triton kernel, asked for or not."""
     if quantization == "gguf" or (quantization == "auto" and checkpoint_format == "gguf"):
         reason = gguf_weights_unsupported_reason(device, checkpoint_format)
         if quantization == "gguf" and reason is not None:
             raise ValueError(f"quantization='gguf': {reason}; use quantization=None (dequantized weights)")
         return "gguf" if reason is None else None
-    if quantization is None or (quantization == "auto" and checkpoint_format != "fp8"):
+    if quantization in (None, "none") or (quantization == "auto" and checkpoint_format != "fp8"):
         return None  # 16-bit weights: nothing to ask the device
     reason = fp8_weights_unsupported_reason(device)
     if quantization == "fp8" and reason is not None:

@@ -66,3 +66,13 @@ def test_chunks_and_preemption_change_nothing(tiny_gguf, prompts, baseline):
     llm = engine(tiny_gguf, max_num_batched_tokens=7, num_kv_blocks=-(-longest // 16))
     assert greedy_tokens(llm, prompts) == baseline
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_the_float32_copy_on_disk_is_written_only_to_dequantize(tiny_gguf, prompts, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    engine(tiny_gguf)
+    assert sorted(entry.name.split("-")[1] for entry in tmp_path.iterdir()) == ["index"]  # no tokenizer asked for
+    llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", quantization=None)
+    assert llm.llm_engine.resolved.kernels.quantization is None
+    assert sorted(entry.name.split("-")[1] for entry in tmp_path.iterdir()) == ["float32", "index"]
+    assert len(greedy_tokens(llm, prompts[:2])) == 2

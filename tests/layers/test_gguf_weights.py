@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.kernel_selection import resolve_quantization
 from pagedllm.layers.kernel_choices import KernelChoices, building_with_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.quantization.gguf import (
@@ -121,3 +122,15 @@ def test_a_shard_cut_across_blocks_is_dequantized():
     method.load(layer.weight, loaded.narrow(1, 128, 256))
     method.finish_loading(layer)
     assert not method.quantized and torch.equal(layer.weight.data, dense[:, 128:384])
+
+
+def test_gguf_blocks_are_kept_by_default_on_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cpu, checkpoint_format="gguf") == "gguf"
+    assert resolve_quantization("auto", cuda, checkpoint_format="gguf") is None  # dequantized on a GPU
+    assert resolve_quantization(None, cpu, checkpoint_format="gguf") is None
+    assert resolve_quantization("none", cpu, checkpoint_format="gguf") is None  # the command line's None
+    with pytest.raises(ValueError, match="quantization='gguf': GGUF weights run on the CPU, the device is cuda"):
+        resolve_quantization("gguf", cuda, checkpoint_format="gguf")
+    with pytest.raises(ValueError, match="quantization='gguf': GGUF weights need a GGUF file as the model"):
+        resolve_quantization("gguf", cpu, checkpoint_format=None)
