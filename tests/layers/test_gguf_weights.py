@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from pagedllm.kernel_selection import resolve_quantization
+from pagedllm.layers.embedding import ParallelLMHead
 from pagedllm.layers.kernel_choices import KernelChoices, building_with_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.quantization.gguf import (
     DECODERS,
     GGUFLinearMethod,
+    GGUFVocabMethod,
     describe_formats,
     pack,
 )
@@ -106,9 +108,14 @@ def test_mixed_kept_formats_share_one_packing_and_unkept_ones_dequantize_the_lay
     assert not layer.method.quantized and layer.weight.dtype == torch.float32
     x = torch.randn(3, K)
     assert relative_error(layer(x), x.double() @ dense.double().t()) < 1e-5  # float32 all the way
+    vocabulary = GGUFVocabMethod()
+    vocabulary.load(torch.empty(64, K), blocks_tensor("Q6_K", random_blocks("Q6_K", 64))[0])
     model = torch.nn.ModuleList([layer, loaded_layer(["Q4_1"], [64], torch.float32)[0]])
+    model.append(torch.nn.Module())
+    model[-1].method = vocabulary
     assert describe_formats(model) == (
-        "1 linear layers kept quantized (Q4_1 x 1); 1 dequantized, their types not kept (Q4_1+Q6_K x 1)"
+        "1 linear layers kept quantized (Q4_1 x 1); 1 dequantized, their types not kept (Q4_1+Q6_K x 1); "
+        "vocabulary dequantized (Q6_K)"
     )
 
 
@@ -134,3 +141,17 @@ def test_gguf_blocks_are_kept_by_default_on_cpu_only():
         resolve_quantization("gguf", cuda, checkpoint_format="gguf")
     with pytest.raises(ValueError, match="quantization='gguf': GGUF weights need a GGUF file as the model"):
         resolve_quantization("gguf", cpu, checkpoint_format=None)
+
+
+@pytest.mark.parametrize("format", ["Q8_0", "Q4_1"])
+def test_a_kept_vocabulary_embeds_and_multiplies_as_its_dequantization(format):
+    with building_with_kernels(KernelChoices(quantization="gguf")):
+        head = ParallelLMHead(200, K)  # 200 rows: padded to the kernel's 64-row blocks
+    loaded, dense = blocks_tensor(format, random_blocks(format, 200))
+    head.weight_loader(head.weight, loaded)
+    assert head.quantized and head.weight.numel() == 0  # the float weight emptied (a tied embedding's too)
+    ids = torch.tensor([[0, 1, 33, 63], [64, 150, 199, 1]])
+    scale = dense.abs().max()
+    assert ((head(ids) - dense[ids]).abs().max() / scale) < 1e-2  # bfloat16 scales
+    hidden = torch.randn(3, K)
+    assert relative_error(head.compute_logits(hidden), hidden.double() @ dense.double().t()) < TOLERANCE[torch.float32]

@@ -253,16 +253,20 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
 
 def describe_formats(model: nn.Module) -> str:
-    """How many linear layers hold each format, e.g. '210 layers kept quantized (Q4_1 x 180, Q8_0 x 30); 30
-    dequantized (Q6_K x 30)': the one start-up line that names every type this method does not keep."""
+    """How many linear layers hold each format, e.g. '210 linear layers kept quantized (Q4_1 x 180, Q8_0 x 30); 30
+    dequantized, their types not kept (Q6_K x 30); vocabulary kept quantized (Q8_0)': the one start-up line that
+    names every type this method does not keep."""
     kept: dict[str, int] = {}
     dequantized: dict[str, int] = {}
+    vocabularies = []
     for module in model.modules():
         method = getattr(module, "method", None)
         if isinstance(method, GGUFLinearMethod):
             counts = kept if method.quantized else dequantized
             name = "+".join(sorted(method.formats))
             counts[name] = counts.get(name, 0) + 1
+        elif isinstance(method, GGUFVocabMethod) and all(method is not seen for seen in vocabularies):
+            vocabularies.append(method)  # a tied head shares its embedding's method: counted once
 
     def listed(counts: dict[str, int]) -> str:
         return ", ".join(f"{name} x {count}" for name, count in sorted(counts.items()))
@@ -270,4 +274,63 @@ def describe_formats(model: nn.Module) -> str:
     line = f"{sum(kept.values())} linear layers kept quantized ({listed(kept) or 'none'})"
     if dequantized:
         line += f"; {sum(dequantized.values())} dequantized, their types not kept ({listed(dequantized)})"
+    for method in vocabularies:
+        line += f"; vocabulary {'kept quantized' if method.quantized else 'dequantized'} ({method.format})"
     return line
+
+
+def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Values uint8 [len(rows), C] of some rows of the kernel's packing ([N', C / 2] bytes): each ROW_BLOCK rows
+    are stored as [C, 32] bytes, row r's value in the low nibble, row r + 32's in the high one (torch 2.13's
+    layout; GGUFVocabMethod checks it against the values it packed and keeps float weights if it differs)."""
+    tiles = packed.view(packed.shape[0] // ROW_BLOCK, packed.shape[1] * 2, ROW_BLOCK // 2)
+    lane = rows % ROW_BLOCK
+    picked = tiles[rows // ROW_BLOCK, :, lane % (ROW_BLOCK // 2)]  # [len(rows), C]
+    return (picked >> (4 * (lane >= ROW_BLOCK // 2)).to(torch.uint8)[:, None]) & 15
+
+
+class GGUFVocabMethod:
+    """The token embedding / LM head's [vocab, hidden] weight kept in GGUF blocks (SmolLM2's is Q8_0, tied): the
+    LM head multiplies through the int4 kernel, as GGUFLinearMethod does, and the embedding dequantizes the rows it
+    looks up from the same packing. A tied head shares its embedding's method. Holds the packing itself (the float
+    `weight` parameter is emptied), or nothing when the blocks are not in a kept format (then `quantized` is
+    False and the layer uses its float weight)."""
+
+    def __init__(self):
+        self.quantized = False
+        self.format = "float"
+
+    def load(self, param: torch.Tensor, loaded: CheckpointTensor) -> bool:
+        """Decode and pack `loaded` (the whole vocabulary, one rank); False, touching nothing, if it cannot."""
+        self.format = loaded.blocks.format if loaded.blocks is not None else "float"
+        decoded = decode(loaded)
+        if decoded is None or tuple(param.shape) != tuple(loaded.shape):
+            return False
+        packed, scales_and_zeros = pack(decoded)
+        sample = torch.tensor([0, 1, 33, param.shape[0] - 1])
+        if not torch.equal(packed_rows(packed, sample), decoded.values[sample]):  # a torch with another layout
+            return False
+        self.packed, self.scales_and_zeros, self.halves = packed, scales_and_zeros, decoded.halves
+        self.vocab_rows, self.quantized = param.shape[0], True
+        param.data = torch.empty(0, param.shape[1], dtype=param.dtype)  # shared with a tied head: emptied for both
+        return True
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        """Packed as it loaded."""
+
+    def embed(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        values = packed_rows(self.packed, input_ids.flatten())
+        scales = self.scales_and_zeros[:, input_ids.flatten()].to(dtype)  # [C / GROUP, rows, 2]
+        rows, columns = values.shape
+        grouped = (values.view(rows, -1, GROUP).to(dtype) - 8) * scales[..., 0].t()[..., None]
+        weight = (grouped + scales[..., 1].t()[..., None]).view(rows, columns)
+        if self.halves:
+            weight = weight[:, : columns // 2] + weight[:, columns // 2 :]
+        return weight.view(*input_ids.shape, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        activations = hidden.to(KERNEL_DTYPE)
+        if self.halves:
+            activations = torch.cat([activations, activations], 1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(activations, self.packed, GROUP, self.scales_and_zeros)
+        return out[:, : self.vocab_rows].to(hidden.dtype)
