@@ -63,7 +63,7 @@ def main() -> None:
     num_kv_blocks = args.num_seqs * (args.prompt_len + args.output_len) // 16 + args.num_seqs
     settings = dict(max_model_len=args.max_model_len, num_kv_blocks=num_kv_blocks, async_scheduling=True)
     if args.with_tokenizer:
-        vocab_size = open_checkpoint(None, load_tokenizer=False, convert_gguf=False).hf_config.vocab_size
+        vocab_size = open_checkpoint(None, load_tokenizer=False, write_cache=False).hf_config.vocab_size
         engine = LLMEngine(EngineConfig(**settings), InstantExecutor(num_kv_blocks, vocab_size))
     else:
         with tempfile.TemporaryDirectory() as directory:

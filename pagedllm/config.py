@@ -25,7 +25,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
-QUANTIZATIONS = ("fp8",)  # the linear layers' weight formats (layers/quantization/)
+# The linear layers' weight formats (layers/quantization/); "none" (the command line's None) the same as None
+QUANTIZATIONS = ("auto", "none", "fp8", "gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class EngineConfig:
     trace_file: str | os.PathLike | None = None
     trace_kv_every: int | None = None
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -88,12 +89,12 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def resolve(
-        self, spec: DecoderSpec, checkpoint_dtype: torch.dtype | str | None, checkpoint_fp8: bool = False
+        self, spec: DecoderSpec, checkpoint_dtype: torch.dtype | str | None, checkpoint_format: str | None = None
     ) -> ResolvedConfig:
         """Every default made concrete, and the kernels chosen, once, for this machine and this checkpoint (its
-        DecoderSpec, the dtype its weights are stored in, whether they are FP8); a ValueError when max_model_len is
-        past the model's limit or fp8 weights cannot run here. Reads the kernel switches of the environment now
-        (pagedllm/envs.py)."""
+        DecoderSpec, the dtype its weights are stored in, their format: None, "fp8" or "gguf"); a ValueError when
+        max_model_len is past the model's limit or the quantization asked for cannot run here. Reads the kernel
+        switches of the environment now (pagedllm/envs.py)."""
         from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
 
         device = resolve_device(self.device)
@@ -101,14 +102,14 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
         attention_backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
-        quantization = resolve_quantization(self.quantization, device, checkpoint_fp8, self.attention_backend)
+        quantization = resolve_quantization(self.quantization, device, checkpoint_format, self.attention_backend)
         kernels = resolve_kernel_choices(
             attention_backend=attention_backend, device=device, head_dim=spec.head_dim,
             kv_cache_dtype=self.kv_cache_dtype, quantization=quantization,
         )  # fmt: skip
         config = replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, async_scheduling=async_scheduling,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, quantization=quantization and quantization.split("_")[0],
         )  # fmt: skip
         threads, threads_source = (self.threads, "asked for") if self.threads is not None else default_threads()
         config = replace(config, threads=threads)
@@ -319,9 +320,11 @@ FIELD_RULES: dict[str, Rule] = {
         is_positive_or_none,
     ),
     "quantization": Rule(
-        "the linear layers' weights: fp8, float8 e4m3 with scales on GPUs of compute capability 9.0+ (a 16-bit "
-        "checkpoint quantized at load); None, the checkpoint's: fp8 for an FP8 checkpoint where the GPU runs it, "
-        "else 16-bit (an FP8 checkpoint dequantized)",
+        "the linear layers' weights: auto, the checkpoint's where the device runs it (an FP8 checkpoint's fp8 on a "
+        "GPU of compute capability 9.0+, a GGUF file's blocks on CPU), else dequantized; fp8, float8 e4m3 with "
+        "scales on such a GPU (a 16-bit checkpoint quantized at load); gguf, a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/"
+        "Q8_0/Q4_K/Q5_K blocks kept on CPU (other types dequantized); None or none, the model's dtype (any "
+        "checkpoint dequantized)",
         (str, NONE),
         f"None or one of {QUANTIZATIONS}",
         lambda value: value is None or value in QUANTIZATIONS,

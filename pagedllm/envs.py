@@ -63,6 +63,11 @@ SKINNY_GEMM = EnvVar(
     "On CUDA, the projections of small decode steps go to the skinny-GEMM kernel where it beats cuBLAS "
     "(kernels/skinny_gemm.py); 0: F.linear always (an A/B switch for benchmarks).",
 )  # fmt: skip
+ONEDNN_LINEAR = EnvVar(
+    "PAGEDLLM_ONEDNN_LINEAR", parse_bool, True,
+    "On CPU, the linear layers' weights are reordered once for oneDNN, which runs their products (faster than "
+    "aten::mm at every row count measured); 0: F.linear (an A/B switch for benchmarks).",
+)  # fmt: skip
 COMPILE = EnvVar(
     "PAGEDLLM_COMPILE", parse_bool, True,
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
@@ -103,6 +108,6 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 )  # fmt: skip

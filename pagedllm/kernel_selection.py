@@ -27,19 +27,36 @@ def fp8_weights_unsupported_reason(device: torch.device) -> str | None:
 
 
 def resolve_quantization(
-    quantization: str | None, device: torch.device, checkpoint_fp8: bool, attention_backend: str | None = None
+    quantization: str | None,
+    device: torch.device,
+    checkpoint_format: str | None,
+    attention_backend: str | None = None,
 ) -> str | None:
-    """The linear layers' weight format: quantization='fp8' wherever the GPU runs it (a ValueError saying why not,
-    elsewhere); None: an FP8 checkpoint keeps FP8 weights where the GPU runs them, except with
-    attention_backend='torch' (plain torch everywhere), and is dequantized elsewhere. Row or block scaling from
-    PAGEDLLM_FP8_SCALING. FP8 weights quantize activations with a Triton kernel, asked for or not."""
-    if quantization is None and not checkpoint_fp8:
+    """The linear layers' weight format. "auto": the checkpoint's where the device runs it: an FP8 checkpoint keeps
+    FP8 weights where the GPU runs them (not with attention_backend='torch': plain torch everywhere), a GGUF file
+    its blocks on CPU; dequantized elsewhere. "fp8" or "gguf": that format, or a ValueError saying why it cannot run
+    here. None (or "none"): unquantized. Row or block scaling of fp8 from PAGEDLLM_FP8_SCALING. FP8 weights
+    quantize activations with a Triton kernel, asked for or not."""
+    if quantization == "gguf" or (quantization == "auto" and checkpoint_format == "gguf"):
+        reason = gguf_weights_unsupported_reason(device, checkpoint_format)
+        if quantization == "gguf" and reason is not None:
+            raise ValueError(f"quantization='gguf': {reason}; use quantization=None (dequantized weights)")
+        return "gguf" if reason is None else None
+    if quantization in (None, "none") or (quantization == "auto" and checkpoint_format != "fp8"):
         return None  # 16-bit weights: nothing to ask the device
     reason = fp8_weights_unsupported_reason(device)
     if quantization == "fp8" and reason is not None:
         raise ValueError(f"quantization='fp8': {reason}; use quantization=None (16-bit weights)")
-    if quantization == "fp8" or (checkpoint_fp8 and reason is None and attention_backend != "torch"):
+    if quantization == "fp8" or (reason is None and attention_backend != "torch"):
         return f"fp8_{envs.FP8_SCALING.get()}"
+    return None
+
+
+def gguf_weights_unsupported_reason(device: torch.device, checkpoint_format: str | None) -> str | None:
+    if checkpoint_format != "gguf":
+        return "GGUF weights need a GGUF file as the model"
+    if device.type != "cpu":
+        return f"GGUF weights run on the CPU, the device is {device.type}"
     return None
 
 
@@ -52,11 +69,15 @@ def resolve_kernel_choices(
 ) -> KernelChoices:
     """On CUDA by default: the Triton attention (or torch, with one warning, for a model its kernels cannot take),
     the Triton rotary kernel, and the skinny GEMM, the fused race sampler and torch.compile unless their variables
-    turn them off. Plain torch everywhere on CPU, with attention_backend='torch', or without Triton installed.
+    turn them off. On CPU, the linear layers through oneDNN (where torch has it, unless PAGEDLLM_ONEDNN_LINEAR=0),
+    plain torch elsewhere. Plain torch everywhere with attention_backend='torch' on a GPU, or without Triton.
     `quantization`: the weight format resolve_quantization gave. Reads the environment now: called once per engine,
     by EngineConfig.resolve."""
     attention = choose_backend(attention_backend, device, head_dim, kv_cache_dtype)
     on_cuda = device.type == "cuda"
+    if device.type == "cpu":
+        onednn = torch.backends.mkldnn.is_available() and envs.ONEDNN_LINEAR.get()
+        return KernelChoices(attention=attention, linear="onednn" if onednn else "torch", quantization=quantization)
     if not on_cuda or attention_backend == "torch" or not triton_installed():
         return KernelChoices(attention=attention, pin_memory=on_cuda, quantization=quantization)
     return KernelChoices(

@@ -133,7 +133,7 @@ def default_checkpoint():
     """The embedded default model's checkpoint and tokenizer, opened as the engine opens them (no weights read)."""
     from pagedllm.loader.checkpoint import open_checkpoint
 
-    return open_checkpoint(None, convert_gguf=False)
+    return open_checkpoint(None, write_cache=False)
 
 
 @pytest.fixture(scope="session")

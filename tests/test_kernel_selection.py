@@ -1,4 +1,5 @@
-"""resolve_kernel_choices: today's kernels on CUDA by default, plain torch on CPU and with attention_backend='torch',
+"""resolve_kernel_choices: today's kernels on CUDA by default, plain torch (linear layers through oneDNN) on CPU, plain
+torch with attention_backend='torch',
 the environment read when resolving. CUDA is a torch.device here: resolving only reads its type (and, for an fp8
 cache, its compute capability, replaced here), so no GPU is needed."""
 
@@ -13,7 +14,8 @@ from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE")
+SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR")
+CPU_KERNELS = KernelChoices(linear="onednn")
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
 )
@@ -28,9 +30,11 @@ def triton_and_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_cpu_runs_plain_torch():
+def test_cpu_runs_plain_torch_with_onednn_linear_layers(monkeypatch):
+    assert resolve_kernel_choices(None, CPU, 64) == CPU_KERNELS
+    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == CPU_KERNELS
+    monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
     assert resolve_kernel_choices(None, CPU, 64) == TORCH_KERNELS
-    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == TORCH_KERNELS
 
 
 def test_cuda_runs_todays_kernels_by_default():
@@ -74,7 +78,7 @@ def test_each_switch_is_read_when_resolving(monkeypatch, name, field, off):
     assert choices.attention == choices.rotary == "triton"
     monkeypatch.setenv(name, "1")
     assert resolve_kernel_choices(None, CUDA, 128) == TODAYS_CUDA
-    assert resolve_kernel_choices(None, CPU, 128) == TORCH_KERNELS  # the switches only turn CUDA kernels off
+    assert resolve_kernel_choices(None, CPU, 128) == CPU_KERNELS  # the switches only turn CUDA kernels off
 
 
 def test_the_start_up_line_names_every_choice():

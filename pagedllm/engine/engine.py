@@ -19,7 +19,7 @@ from pagedllm.engine.step_pipeline import NewToken, StepPipeline, StepRecord
 from pagedllm.executor.distributed_executor import make_executor
 from pagedllm.executor.executor import Executor
 from pagedllm.executor.ranks import is_rank_zero
-from pagedllm.executor.start_up import collect_start_up_garbage
+from pagedllm.executor.start_up import collect_start_up_garbage, weights_to_load
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
@@ -90,11 +90,12 @@ class LLMEngine:
         its num_kv_blocks sizes the block manager."""
         load_tokenizer = not config.skip_tokenizer_init
         checkpoint = open_checkpoint(
-            config.model, config.tokenizer, load_tokenizer, convert_gguf=is_rank_zero(), gguf_file=config.gguf_file
+            config.model, config.tokenizer, load_tokenizer, write_cache=is_rank_zero(), gguf_file=config.gguf_file
         )
         self.spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
         self.tokenizer = checkpoint.tokenizer
-        self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
+        self.resolved = resolved = config.resolve(self.spec, checkpoint.checkpoint_dtype, checkpoint.weights_format)
+        checkpoint = weights_to_load(checkpoint, resolved, write_cache=is_rank_zero())
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
         torch.set_num_threads(resolved.threads)  # before the executor: CPU tensor-parallel ranks share them out

@@ -29,7 +29,8 @@ from pagedllm.executor.step_plan import StepPlan, StepSampling
 from pagedllm.executor.worker import PROMPT_LOGPROB_CHUNK, Worker
 from pagedllm.layers.kernel_choices import building_with_kernels
 from pagedllm.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, building_with
-from pagedllm.loader.checkpoint import Checkpoint, open_checkpoint
+from pagedllm.layers.quantization.gguf import describe_formats
+from pagedllm.loader.checkpoint import Checkpoint, dequantized_gguf, open_checkpoint
 from pagedllm.loader.weights import load_weights
 from pagedllm.logger import logger
 from pagedllm.models.registry import build_model
@@ -55,9 +56,11 @@ def start_worker(
     else opened here. tp: this worker's rank and group; the model holds that rank's shard. device: this rank's
     (resolved.device if None)."""
     free_dropped_engines()
-    checkpoint = checkpoint or open_checkpoint(
-        resolved.config.model, load_tokenizer=False, convert_gguf=False, gguf_file=resolved.config.gguf_file
-    )
+    if checkpoint is None:
+        checkpoint = open_checkpoint(
+            resolved.config.model, load_tokenizer=False, write_cache=False, gguf_file=resolved.config.gguf_file
+        )
+        checkpoint = weights_to_load(checkpoint, resolved, write_cache=False)
     worker = Worker(resolved, DecoderSpec.from_hf_config(checkpoint.hf_config), tp, device or resolved.device)
     worker.model, worker.backend, worker.sampler = load_model(worker, checkpoint)
     warmup_peak = warm_up(worker)
@@ -66,6 +69,14 @@ def start_worker(
         worker.prefill_graphs, worker.graphs = capture_graphs(worker)
     prime_first_request(worker)
     return worker
+
+
+def weights_to_load(checkpoint: Checkpoint, resolved: ResolvedConfig, write_cache: bool) -> Checkpoint:
+    """A GGUF file's weights are read as blocks where the engine keeps them quantized, else from their float32
+    conversion cached on disk (written now with write_cache: the engine's rank 0)."""
+    if checkpoint.weights_format == "gguf" and resolved.kernels.quantization != "gguf":
+        return dequantized_gguf(checkpoint, write_cache)
+    return checkpoint
 
 
 def free_dropped_engines() -> None:
@@ -86,6 +97,8 @@ def load_model(worker: Worker, checkpoint: Checkpoint) -> tuple[nn.Module, Atten
     with building_with(worker.tp), building_with_kernels(kernels):
         model = build_model(worker.spec, worker.max_model_len, worker.dtype, device)
     load_weights(model, checkpoint.named_tensors(worker.dtype), checkpoint.source)
+    if kernels.quantization == "gguf":
+        start_up_log(worker)("GGUF weights: %s", describe_formats(model))
     backend = create_backend(kernels.attention)
     sampler = None
     if worker.tp.rank == 0:

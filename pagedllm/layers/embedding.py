@@ -1,7 +1,8 @@
 """Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
 
 The vocabulary is padded to a multiple of the TP size (as vLLM does), so any vocabulary size splits evenly:
-rank r holds rows [r * shard_size, (r + 1) * shard_size); rows past the real vocabulary are zero.
+rank r holds rows [r * shard_size, (r + 1) * shard_size); rows past the real vocabulary are zero. On one rank with
+GGUF weights kept quantized, the vocabulary stays in its blocks where their format is kept (GGUFVocabMethod).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import check_full_shape
 from pagedllm.layers.parallel_state import tp_group
+from pagedllm.layers.quantization.gguf import GGUFVocabMethod
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
 
@@ -26,15 +29,25 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_start = self.tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        gguf = kernel_choices().quantization == "gguf" and self.tp.size == 1
+        self.method = GGUFVocabMethod() if gguf else None  # a tied head takes its embedding's (models/llama.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         check_full_shape(loaded, (self.vocab_size, param.shape[1]))
+        if self.method is not None and self.method.load(param, loaded):
+            return
         start = min(self.shard_start, self.vocab_size)
         rows = min(self.shard_size, self.vocab_size - start)  # the last rank's shard ends in padding
         param.data.zero_()
         copy_weight(param[:rows], loaded.narrow(0, start, rows))
 
+    @property
+    def quantized(self) -> bool:
+        return self.method is not None and self.method.quantized
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self.method.embed(input_ids, self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.shard_start
@@ -47,5 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on rank 0 (padding dropped); None on the other ranks, which only send their
         shard."""
+        if self.quantized:
+            return self.method.logits(hidden_states)[:, : self.vocab_size]  # one rank: nothing to gather
         logits = self.tp.gather_last_dim_to_first(F.linear(hidden_states, self.weight))
         return None if logits is None else logits[:, : self.vocab_size]

@@ -17,11 +17,13 @@ class KernelChoices:
 
     attention: Literal["torch", "triton"] = "torch"  # the attention backend (attention/selector.py)
     rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
-    linear: Literal["torch", "skinny_gemm"] = "torch"  # skinny_gemm: small products may take kernels/skinny_gemm
+    # skinny_gemm: small products may take kernels/skinny_gemm; onednn: weights reordered once for oneDNN (CPU)
+    linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
     sampler: Literal["torch", "triton_race"] = "torch"  # triton_race: plain races in kernels/race_sampling
     compile: bool = False  # torch.compile the element-wise functions (layers/compile.py)
-    # The linear layers' weights (layers/linear_method.py): None 16-bit; fp8 with scales per row or 128 x 128 block
-    quantization: Literal[None, "fp8_rows", "fp8_blocks"] = None
+    # The linear layers' weights (layers/linear_method.py): None the model's dtype; fp8 with scales per row or 128 x 128
+    # block; gguf: a GGUF file's blocks kept quantized (layers/quantization/gguf.py)
+    quantization: Literal[None, "fp8_rows", "fp8_blocks", "gguf"] = None
     # Not a kernel: host <-> device copies stage through pinned memory, asynchronously (a CUDA device).
     pin_memory: bool = False
 

@@ -18,6 +18,7 @@ from pagedllm.layers.kernel_choices import KernelChoices, kernel_choices
 from pagedllm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedllm.layers.parallel_state import divide, kv_heads_per_rank, tp_group
 from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
+from pagedllm.layers.quantization.gguf import GGUFLinearMethod
 
 if TYPE_CHECKING:
     from pagedllm.loader.checkpoint_tensor import CheckpointTensor
@@ -32,9 +33,11 @@ def check_full_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> Non
 
 def linear_method(choices: KernelChoices) -> LinearMethod:
     """The method a linear layer built under `choices` holds."""
+    if choices.quantization == "gguf":
+        return GGUFLinearMethod(onednn=choices.linear == "onednn")
     if choices.quantization is not None:
         return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
-    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm")
+    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm", onednn=choices.linear == "onednn")
 
 
 class LinearBase(nn.Module):

@@ -2,8 +2,8 @@
 parameters, takes a checkpoint tensor into one of them (already narrowed to this rank's shard by the layer's
 weight_loader: sharding is the layer's business, the format the method's) and computes y = x W^T (+ bias).
 
-Methods: unquantized, and FP8 on GPUs (layers/quantization/fp8.py); which one a layer holds is decided once, from
-the kernel choices (`linear_method` in layers/linear.py).
+Methods: unquantized, FP8 on GPUs (layers/quantization/fp8.py) and GGUF blocks on CPU (layers/quantization/gguf.py);
+which one a layer holds is decided once, from the kernel choices (`linear_method` in layers/linear.py).
 """
 
 from __future__ import annotations
@@ -32,13 +32,19 @@ class LinearMethod:
         """Called once every tensor of the layer is loaded (a quantized method converts the weight here)."""
 
 
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """The weight as the checkpoint has it, in the model's dtype. y = F.linear, or, where the choices allow the
     skinny GEMM, a product of a few rows of x (a small decode step) by a narrow weight goes to that kernel, where it
-    was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py)."""
+    was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py). With `onednn` (CPU), the weight
+    is reordered once into oneDNN's blocked layout when loaded and every product runs through oneDNN: 1.3-6x faster
+    than aten::mm in float32 here, up to 2x in bfloat16 (benchmarks/NOTES.md, "GGUF weights on CPU")."""
 
-    def __init__(self, skinny_gemm: bool = False):
+    def __init__(self, skinny_gemm: bool = False, onednn: bool = False):
         self.skinny_gemm = None
+        self.onednn = onednn
         if skinny_gemm:
             from pagedllm.kernels import skinny_gemm as kernel  # imports Triton: only where the choices take it
 
@@ -54,7 +60,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.product(x, layer.weight, bias)
 
+    def finish_loading(self, layer: nn.Module) -> None:
+        if self.onednn and layer.weight.dtype in ONEDNN_DTYPES:
+            reordered = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data)
+            layer.weight = nn.Parameter(reordered, requires_grad=False)
+
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):
             return self.skinny_gemm.skinny_linear(x, weight, bias)
+        if self.onednn and weight.dtype in ONEDNN_DTYPES and x.dtype == weight.dtype:  # reordered, or for this call
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)

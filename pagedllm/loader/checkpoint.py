@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,25 +28,27 @@ class Checkpoint:
     named_tensors: Callable[[torch.dtype], Iterable[tuple[str, CheckpointTensor]]]
     checkpoint_dtype: object = None
     generation_config: object = None  # generation_config.json, where the model has one (extra eos ids)
-    weights_fp8: bool = False  # an FP8 checkpoint (read dequantized; the engine may keep fp8 weights on a GPU)
+    # "fp8": an FP8 checkpoint (read dequantized; the engine may keep fp8 weights on a GPU); "gguf": GGUF blocks (read
+    # as blocks by a method that keeps them quantized, else dequantized); None: 16- or 32-bit weights
+    weights_format: str | None = None
 
 
 def open_checkpoint(
     model: str | os.PathLike | None,
     tokenizer: str | os.PathLike | None = None,
     load_tokenizer: bool = True,
-    convert_gguf: bool = True,
+    write_cache: bool = True,
     gguf_file: str | None = None,
 ) -> Checkpoint:
     """`tokenizer`: a local tokenizer directory that replaces the model's own (never a hub id).
-    convert_gguf: a GGUF file without a cached conversion is converted and cached now (the engine's rank 0 does
-    this); otherwise its tensors are dequantized straight from the file, each when read.
+    write_cache: a GGUF file's tokenizer conversion is cached on disk (the engine's rank 0 does this); its weights
+    are read from the file (`dequantized_gguf` for the float32 conversion).
     gguf_file: the .gguf file to load from a directory or hub repository that holds several (model_path)."""
     if tokenizer is not None:
         tokenizer = str(Path(tokenizer).expanduser())
     path = model_path(model, gguf_file)
     if path.is_file() and path.suffix == ".gguf":
-        return open_gguf(path, tokenizer, load_tokenizer, convert_gguf)
+        return open_gguf(path, tokenizer, load_tokenizer, write_cache)
     if path.is_dir() and (path / "config.json").exists():
         return open_hf_directory(path, tokenizer, load_tokenizer)
     if path.is_dir():
@@ -158,25 +160,37 @@ def open_hf_directory(path: Path, tokenizer: str | None, load_tokenizer: bool) -
         generation_config=(
             GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
         ),
-        weights_fp8=fp8 is not None,
+        weights_format=None if fp8 is None else "fp8",
     )
 
 
-def open_gguf(path: Path, tokenizer: str | None, load_tokenizer: bool, convert: bool) -> Checkpoint:
-    from pagedllm.loader.gguf_loader import build_tokenizer, converted_copy, gguf_config, lazy_gguf_tensors
+def open_gguf(path: Path, tokenizer: str | None, load_tokenizer: bool, write_cache: bool) -> Checkpoint:
+    """Tensors read from the file when asked for: in quantized blocks for a linear method that keeps them, else
+    dequantized (`dequantized_gguf` reads its float32 conversion cached on disk instead). write_cache: the tokenizer's
+    conversion is cached (the engine's rank 0 does this)."""
+    from pagedllm.loader.gguf_loader import build_tokenizer, gguf_index, lazy_gguf_tensors
 
-    converted = converted_copy(path, write=convert)
-    if converted is not None:
-        checkpoint = open_hf_directory(converted, tokenizer, load_tokenizer)
-        checkpoint.source = str(path)
-        return checkpoint
+    index = gguf_index(path, write_cache)
     if not load_tokenizer:
         tokenizer_object = None
     else:
-        tokenizer_object = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else build_tokenizer(path)
+        tokenizer_object = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else build_tokenizer(path, write_cache)
     return Checkpoint(
         source=str(path),
-        hf_config=gguf_config(path),
+        hf_config=index.config,
         tokenizer=tokenizer_object,
-        named_tensors=lambda dtype: lazy_gguf_tensors(path, dtype),
+        named_tensors=lambda dtype: lazy_gguf_tensors(path, index, dtype),
+        weights_format="gguf",
     )
+
+
+def dequantized_gguf(checkpoint: Checkpoint, write_cache: bool) -> Checkpoint:
+    """A GGUF checkpoint whose weights are not kept quantized: its tensors from the float32 conversion cached on disk,
+    converted and cached now with `write_cache` (the engine's rank 0 does this); without an entry, dequantized from
+    the file when read."""
+    from pagedllm.loader.gguf_loader import converted_copy
+
+    converted = converted_copy(Path(checkpoint.source), write=write_cache)
+    if converted is None:
+        return checkpoint
+    return replace(checkpoint, named_tensors=lambda dtype: iterate_safetensors(converted, dtype))

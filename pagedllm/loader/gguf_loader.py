@@ -5,7 +5,9 @@ The converted result is cached as safetensors keyed by the file's content hash, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -31,7 +33,7 @@ from transformers import (
 )
 
 from pagedllm import envs
-from pagedllm.loader.checkpoint_tensor import CheckpointTensor
+from pagedllm.loader.checkpoint_tensor import CheckpointTensor, QuantizedBlocks
 from pagedllm.logger import logger
 
 # general.architecture -> the transformers config class of that family
@@ -54,6 +56,16 @@ LAYER_NAMES = {
 }
 # Llama-3 rope scaling is stored as this tensor of per-frequency divisors rather than as metadata.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+# The types gguf's reader maps as numbers rather than bytes
+MAPPED_DTYPES = {
+    gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+    gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+    gguf.GGMLQuantizationType.I64: np.int64,
+}  # fmt: skip
+INDEX_FILE = "gguf_tensors.json"
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes, so stale cache entries are never read
 
@@ -109,8 +121,16 @@ def converted_copy(path: Path, write: bool) -> Path | None:
     return entry if entry.is_dir() else None
 
 
-def build_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    return _build_tokenizer(_open_reader(path), path)
+def build_tokenizer(path: Path, write_cache: bool) -> PreTrainedTokenizerBase:
+    """The file's tokenizer, from its cached copy (transformers' conversion took ~5-13 s for SmolLM2's here); without
+    one, converted now, and cached with `write_cache`."""
+    entry = default_cache_dir() / _cache_key(path, "tokenizer")
+    if entry.is_dir():
+        return AutoTokenizer.from_pretrained(entry)
+    tokenizer = _build_tokenizer(_open_reader(path), path)
+    if write_cache:
+        _write_entry(entry, tokenizer.save_pretrained)
+    return tokenizer
 
 
 def _convert(path: Path, dtype: torch.dtype) -> GGUFCheckpoint:
@@ -255,12 +275,74 @@ def _dense(tensor: gguf.ReaderTensor, config: PretrainedConfig, arch: str, path:
     return weight
 
 
-def lazy_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Without a converted copy: each tensor is dequantized only when read, and only the part read is kept."""
+@dataclass(frozen=True, slots=True)
+class MappedTensor:
+    """A tensor of the file as gguf's reader describes it (name, type, dimensions fastest first, data: a view of the
+    file's memory map), from the cached index without parsing the metadata again."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFIndex:
+    """What opening a GGUF file needs of its metadata: the config, and where each tensor lies."""
+
+    config: PretrainedConfig
+    architecture: str
+    tensors: list[dict]  # name, type (a GGMLQuantizationType name), shape (fastest first), offset, byte count
+
+    def mapped(self, path: Path) -> Iterator[MappedTensor]:
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        for entry in self.tensors:
+            tensor_type = gguf.GGMLQuantizationType[entry["type"]]
+            data = file[entry["offset"] : entry["offset"] + entry["bytes"]]
+            shape = tuple(reversed(entry["shape"]))
+            if tensor_type in MAPPED_DTYPES:
+                data = data.view(MAPPED_DTYPES[tensor_type]).reshape(shape)
+            else:
+                data = data.reshape(gguf.quant_shape_to_byte_shape(shape, tensor_type))
+            yield MappedTensor(entry["name"], tensor_type, tuple(entry["shape"]), data)
+
+
+def gguf_index(path: Path, write_cache: bool) -> GGUFIndex:
+    """The file's config and tensor table, from its cache entry (gguf's reader parses the whole vocabulary to open a
+    file: 5-25 s for SmolLM2's here); without one, read now, and cached with `write_cache`."""
+    entry = default_cache_dir() / _cache_key(path, "index")
+    if (entry / INDEX_FILE).is_file():
+        config = AutoConfig.from_pretrained(entry)
+        return GGUFIndex(config, json.loads((entry / INDEX_FILE).read_text())["architecture"], _index_tensors(entry))
     reader = _open_reader(path)
     architecture = _architecture(reader, path)
     config = _build_config(reader, architecture, {tensor.name for tensor in reader.tensors}, path)
-    for tensor in reader.tensors:
+    tensors = [
+        {
+            "name": tensor.name, "type": tensor.tensor_type.name, "shape": [int(dim) for dim in tensor.shape],
+            "offset": int(tensor.data_offset), "bytes": int(tensor.n_bytes),
+        }
+        for tensor in reader.tensors
+    ]  # fmt: skip
+    if write_cache:
+
+        def write(staging: Path) -> None:
+            config.save_pretrained(staging)
+            (staging / INDEX_FILE).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
+
+        _write_entry(entry, write)
+    return GGUFIndex(config, architecture, tensors)
+
+
+def _index_tensors(entry: Path) -> list[dict]:
+    return json.loads((entry / INDEX_FILE).read_text())["tensors"]
+
+
+def lazy_gguf_tensors(path: Path, index: GGUFIndex, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Without a converted copy: each tensor is dequantized only when read, and only the part read is kept. A tensor
+    in quantized blocks can also be read as its blocks (CheckpointTensor.read_blocks), rows in Hugging Face's order."""
+    config, architecture = index.config, index.architecture
+    for tensor in index.mapped(path):
         if tensor.name == ROPE_FREQS_TENSOR:
             continue
         name = hf_name(tensor.name, path)
@@ -269,12 +351,25 @@ def lazy_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, Che
             return _dense(tensor, config, architecture, path)[slices].clone()
 
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        yield name, CheckpointTensor.lazy(name, shape, read_slices, dtype)
+        blocks = _quantized_blocks(tensor, config, architecture, name) if len(shape) == 2 else None
+        yield name, CheckpointTensor.lazy(name, shape, read_slices, dtype, blocks)
 
 
-def gguf_config(path: Path) -> PretrainedConfig:
-    reader = _open_reader(path)
-    return _build_config(reader, _architecture(reader, path), {tensor.name for tensor in reader.tensors}, path)
+def _quantized_blocks(tensor: MappedTensor, config: PretrainedConfig, arch: str, name: str) -> QuantizedBlocks | None:
+    """The blocks of a 2-D tensor in a quantized type (None for F32/F16/BF16), read from the file's memory map."""
+    if tensor.tensor_type in FLOAT_TYPES:
+        return None
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    data = tensor.data  # uint8 [rows, row bytes]
+    order = torch.arange(data.shape[0])
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # the rows unpermuted, as _dense does
+        num_heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        order = unpermute_rotary(order, num_heads)
+
+    def read_rows(rows: slice) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(data[order[rows].numpy()]))
+
+    return QuantizedBlocks(tensor.tensor_type.name, block_size, block_bytes, read_rows)
 
 
 def hf_name(gguf_name: str, path: Path | str = "<gguf>") -> str:
@@ -326,28 +421,46 @@ def _build_tokenizer(reader: gguf.GGUFReader, path: Path) -> PreTrainedTokenizer
 
 
 # ---- cache -----------------------------------------------------------------------------------------------------
-# An entry is a directory <content hash>-<dtype> holding config.json, the tokenizer files and model.safetensors.
-# It is written under a temporary name and renamed into place, so a directory with the final name is complete.
+# An entry is a directory <content hash>-<dtype> holding config.json, the tokenizer files and model.safetensors (the
+# float conversion, for an engine that does not keep the weights quantized), or <content hash>-tokenizer holding the
+# tokenizer files alone. It is written under a temporary name and renamed into place, so a directory with the final
+# name is complete.
 
 
-def _cache_key(path: Path, dtype: torch.dtype) -> str:
+def _cache_key(path: Path, kind: torch.dtype | str) -> str:
+    """<content hash>-<dtype> for a converted checkpoint, <content hash>-tokenizer or -index for the others."""
+    kind = kind if isinstance(kind, str) else str(kind).removeprefix("torch.")
+    return f"{_content_hash(path.resolve(), path.stat().st_mtime_ns, path.stat().st_size)}-{kind}"
+
+
+@functools.lru_cache(maxsize=16)
+def _content_hash(path: Path, mtime_ns: int, size: int) -> str:
+    """Once per file version in a process (hashing SmolLM2's 98 MB takes ~0.3 s)."""
     digest = hashlib.sha256(f"pagedllm-gguf-v{CACHE_FORMAT_VERSION}".encode())
     with path.open("rb") as file:
         while chunk := file.read(1 << 24):
             digest.update(chunk)
-    return f"{digest.hexdigest()[:32]}-{str(dtype).removeprefix('torch.')}"
+    return digest.hexdigest()[:32]
 
 
 def _write_cache(checkpoint: GGUFCheckpoint, entry: Path) -> None:
-    staging = entry.with_name(f".{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        staging.mkdir(parents=True)
+    def write(staging: Path) -> None:
         checkpoint.config.save_pretrained(staging)
         checkpoint.tokenizer.save_pretrained(staging)
         save_file(checkpoint.tensors, staging / "model.safetensors")
+
+    _write_entry(entry, write)
+
+
+def _write_entry(entry: Path, write) -> None:
+    """write(staging directory), then the directory renamed into place as `entry`."""
+    staging = entry.with_name(f".{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        staging.mkdir(parents=True)
+        write(staging)
         staging.rename(entry)
     except OSError as error:  # read-only or full disk, or another process renamed its copy first: loading still works
-        warnings.warn(f"could not cache the converted GGUF at {entry}: {error}", stacklevel=3)
+        warnings.warn(f"could not cache the converted GGUF at {entry}: {error}", stacklevel=4)
         shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -64,6 +64,7 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, Checkpoint
         raise ValueError(
             f"{source}: missing weights: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")
         )
+    params.clear()  # a method that converts a weight frees the old one now, not when this function returns
     for module in model.modules():  # every tensor is in: a quantized linear method converts its weight now
         method = getattr(module, "method", None)
         if method is not None:

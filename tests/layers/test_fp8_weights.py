@@ -25,27 +25,28 @@ def hopper(monkeypatch):
 
 
 def test_an_fp8_checkpoint_keeps_fp8_weights_where_the_gpu_runs_them(hopper, monkeypatch):
-    assert resolve_quantization(None, CUDA, checkpoint_fp8=True) == "fp8_rows"
-    assert resolve_quantization(None, CUDA, checkpoint_fp8=False) is None
-    assert resolve_quantization("fp8", CUDA, checkpoint_fp8=False) == "fp8_rows"
+    assert resolve_quantization("auto", CUDA, checkpoint_format="fp8") == "fp8_rows"
+    assert resolve_quantization("auto", CUDA, checkpoint_format=None) is None
+    assert resolve_quantization("fp8", CUDA, checkpoint_format=None) == "fp8_rows"
+    assert resolve_quantization(None, CUDA, checkpoint_format="fp8") is None  # None: dequantized
     monkeypatch.setenv("PAGEDLLM_FP8_SCALING", "blocks")  # read when resolving
-    assert resolve_quantization(None, CUDA, checkpoint_fp8=True) == "fp8_blocks"
+    assert resolve_quantization("auto", CUDA, checkpoint_format="fp8") == "fp8_blocks"
     # plain torch everywhere: the checkpoint is dequantized unless fp8 is asked for
-    assert resolve_quantization(None, CUDA, checkpoint_fp8=True, attention_backend="torch") is None
+    assert resolve_quantization("auto", CUDA, checkpoint_format="fp8", attention_backend="torch") is None
 
 
 def test_an_fp8_checkpoint_is_dequantized_where_the_gpu_cannot_run_fp8(hopper, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert resolve_quantization(None, CUDA, checkpoint_fp8=True) is None
+    assert resolve_quantization("auto", CUDA, checkpoint_format="fp8") is None
     with pytest.raises(ValueError, match=r"compute capability 9.0 or newer, this GPU has \(8, 0\)"):
-        resolve_quantization("fp8", CUDA, checkpoint_fp8=False)
-    assert resolve_quantization(None, torch.device("cpu"), checkpoint_fp8=True) is None
+        resolve_quantization("fp8", CUDA, checkpoint_format=None)
+    assert resolve_quantization("auto", torch.device("cpu"), checkpoint_format="fp8") is None
 
 
 def test_a_bad_scaling_variable_names_itself(hopper, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FP8_SCALING", "columns")
     with pytest.raises(ValueError, match="PAGEDLLM_FP8_SCALING='columns' is not valid"):
-        resolve_quantization("fp8", CUDA, checkpoint_fp8=False)
+        resolve_quantization("fp8", CUDA, checkpoint_format=None)
 
 
 def test_fp8_weights_on_cpu_are_a_clear_error(llama_dir):

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from test_gguf_loader import tiny_weights, write_tiny_gguf
 
-from pagedllm.loader.checkpoint import open_checkpoint
+from pagedllm.loader.checkpoint import dequantized_gguf, open_checkpoint
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 from pagedllm.loader.gguf_loader import load_gguf
 from pagedllm.loader.safetensors_loader import iterate_safetensors
@@ -49,8 +49,10 @@ def test_gguf_parts_with_and_without_the_cached_conversion(tmp_path, monkeypatch
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", tiny_weights("llama", 16, tied=False, bias=True), 16)
     expected = load_gguf(path, torch.float32, use_cache=False).tensors
-    checkpoint = open_checkpoint(str(path), load_tokenizer=False, convert_gguf=convert)
-    assert (tmp_path / "cache").is_dir() == convert  # only rank 0 (convert_gguf) writes the cache
+    checkpoint = open_checkpoint(str(path), load_tokenizer=False, write_cache=False)
+    if convert:
+        checkpoint = dequantized_gguf(checkpoint, write_cache=True)
+    assert (tmp_path / "cache").is_dir() == convert  # only rank 0 (write_cache) writes the cache
     loaded = dict(checkpoint.named_tensors(torch.float32))
     assert loaded.keys() == expected.keys()
     for name, lazy in loaded.items():
