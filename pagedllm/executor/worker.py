@@ -137,6 +137,8 @@ class Worker:
             self.sampler.release(state_index)
         for request in sampling.new_requests:
             self.sampler.add_request(request.state_index, request.params, request.prompt_token_ids)
+        if sampling.generator_rewinds or sampling.uncounted_tokens:
+            self.sampler.take_back(sampling.generator_rewinds, sampling.uncounted_tokens)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors | None:
         """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that
