@@ -97,6 +97,8 @@ class LLMEngine:
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
         torch.set_num_threads(resolved.threads)  # before the executor: CPU tensor-parallel ranks share them out
+        # Speculative decoding: a draft model is checked before anything starts, and loaded once the cache is sized.
+        self.speculator = make_speculator(resolved, self.spec, self.tokenizer)
         # Under torchrun, on ranks other than 0 make_executor serves rank 0 and exits the process.
         self.worker = executor if executor is not None else make_executor(resolved, self.spec, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -109,8 +111,8 @@ class LLMEngine:
         self.async_scheduling = resolved.async_scheduling
         self.token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
         decode = self.decode_token if self.tokenizer is not None else None
-        # Speculative decoding: a draft model starts here, with a KV cache of as many blocks as the target's.
-        self.speculator = make_speculator(resolved, self.spec, self.tokenizer, self.worker.num_kv_blocks)
+        if self.speculator is not None:
+            self.speculator.start(self.worker.num_kv_blocks)
         self.pipeline = StepPipeline(
             self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode, speculator=self.speculator
         )

@@ -18,6 +18,7 @@ from pagedllm.config import ResolvedConfig
 from pagedllm.executor.start_up import start_worker
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan, StepSampling, block_table_array
+from pagedllm.executor.worker import Worker
 from pagedllm.loader.checkpoint import open_checkpoint
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.sampling.batch import build_sampling_batch
@@ -30,25 +31,30 @@ NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class DraftModel:
-    def __init__(self, resolved: ResolvedConfig, spec: DecoderSpec, tokenizer, num_kv_blocks: int):
-        """resolved, spec, tokenizer: the target's; num_kv_blocks: the target's cache's (the draft's has as many).
-        ValueError when the draft cannot propose for the target: another tokenizer or vocabulary, fewer positions."""
+    def __init__(self, resolved: ResolvedConfig, spec: DecoderSpec, tokenizer):
+        """resolved, spec, tokenizer: the target's. Opens and checks the draft before anything starts: ValueError
+        when it cannot propose for the target (another tokenizer or vocabulary, fewer positions); start() loads it."""
         path = resolved.speculative.model
-        checkpoint = open_checkpoint(path, load_tokenizer=tokenizer is not None)
-        draft_spec = DecoderSpec.from_hf_config(checkpoint.hf_config)
-        check_same_tokenizer(path, draft_spec, checkpoint.tokenizer, spec, tokenizer)
+        self.checkpoint = open_checkpoint(path, load_tokenizer=tokenizer is not None)
+        draft_spec = DecoderSpec.from_hf_config(self.checkpoint.hf_config)
+        check_same_tokenizer(path, draft_spec, self.checkpoint.tokenizer, spec, tokenizer)
         config = dataclasses.replace(
-            resolved.config, model=path, tokenizer=None, num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=None,
-            speculative_config=None, trace_file=None, trace_kv_every=None, quantization=None,
+            resolved.config, model=path, tokenizer=None, kv_cache_memory_bytes=None, speculative_config=None,
+            trace_file=None, trace_kv_every=None, quantization=None,
         )  # fmt: skip
         try:
-            draft_resolved = config.resolve(draft_spec, checkpoint.checkpoint_dtype, checkpoint.weights_fp8)
+            self.resolved = config.resolve(draft_spec, self.checkpoint.checkpoint_dtype, self.checkpoint.weights_fp8)
         except ValueError as error:
             raise ValueError(
-                f"speculative_config: the draft model {path!r} cannot run with the target's: {error}"
+                f"speculative_config: the draft model {path!r} cannot run with the target: {error}"
             ) from None
-        self.worker = start_worker(draft_resolved, checkpoint)
         self.block_size = config.block_size
+        self.worker: Worker | None = None
+
+    def start(self, num_kv_blocks: int) -> None:
+        """Load the draft, its KV cache as many blocks as the target's (num_kv_blocks)."""
+        config = dataclasses.replace(self.resolved.config, num_kv_blocks=num_kv_blocks)
+        self.worker = start_worker(dataclasses.replace(self.resolved, config=config), self.checkpoint)
 
     def propose(self, batch: ScheduledBatch) -> None:
         """Fill the PLACEHOLDER drafts of the batch's verifying sequences: decode step j feeds each sequence its
@@ -76,7 +82,8 @@ class DraftModel:
         )  # fmt: skip
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
 def check_same_tokenizer(path: str, draft_spec: DecoderSpec, draft_tokenizer, spec: DecoderSpec, tokenizer) -> None:

@@ -50,6 +50,11 @@ class Speculator:
         self.draft = draft
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
 
+    def start(self, num_kv_blocks: int) -> None:
+        """Once the target's cache is sized: a draft model loads, with a KV cache of as many blocks."""
+        if self.draft is not None:
+            self.draft.start(num_kv_blocks)
+
     def propose(self, scheduler: Scheduler) -> Proposal:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(scheduler.running) > limit:
@@ -109,14 +114,14 @@ class Speculator:
             self.draft.shutdown()
 
 
-def make_speculator(resolved: ResolvedConfig, spec, tokenizer, num_kv_blocks: int) -> Speculator | None:
-    """The engine's speculator (None without speculative_config); a draft model is loaded now, its KV cache as
-    many blocks as the target's (num_kv_blocks). spec, tokenizer: the target's (DecoderSpec; None without one)."""
+def make_speculator(resolved: ResolvedConfig, spec, tokenizer) -> Speculator | None:
+    """The engine's speculator (None without speculative_config), made before the target starts: a draft model is
+    opened and checked now, and loaded by Speculator.start. spec, tokenizer: the target's (DecoderSpec; None
+    without one)."""
     config = resolved.speculative
     if config is None:
         return None
-    draft = DraftModel(resolved, spec, tokenizer, num_kv_blocks) if config.method == "draft_model" else None
-    return Speculator(config, draft)
+    return Speculator(config, DraftModel(resolved, spec, tokenizer) if config.method == "draft_model" else None)
 
 
 def can_verify(seq: Sequence) -> bool:
