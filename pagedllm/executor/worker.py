@@ -55,7 +55,10 @@ class Worker:
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
             # A grammar's bitmask row covers the model's vocabulary (structured outputs).
             widths = {"bitmask_words": bitmask_words(self.spec.vocab_size)}
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device, widths=widths)
+            self.buffers = StepBuffers(
+                max_tokens, config.max_num_seqs, table_width, device, widths=widths,
+                max_samples=resolved.max_sampled_rows,
+            )  # fmt: skip
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.prefill_token_counts = graph_token_counts(max_tokens)
         # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
