@@ -28,6 +28,7 @@ from pagedllm.sampling.params import SamplingParams
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
+from pagedllm.spec_decode.metrics import SpecDecodeStats
 from pagedllm.spec_decode.speculator import make_speculator
 from pagedllm.trace.tracer import Tracer
 
@@ -111,8 +112,10 @@ class LLMEngine:
         self.async_scheduling = resolved.async_scheduling
         self.token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
         decode = self.decode_token if self.tokenizer is not None else None
+        self.spec_decode_stats: SpecDecodeStats | None = None  # the totals of every step, while speculating
         if self.speculator is not None:
             self.speculator.start(self.worker.num_kv_blocks)
+            self.spec_decode_stats = SpecDecodeStats()
         self.pipeline = StepPipeline(
             self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode, speculator=self.speculator
         )
@@ -120,6 +123,8 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         # Those of them that asked for device timings: the executor records them while any is attached.
         self.timed_listeners: list[Callable[[StepRecord], None]] = []
+        if self.spec_decode_stats is not None:
+            self.step_listeners.append(self.spec_decode_stats.add)
         self.tracer: Tracer | None = None
         if config.trace_file is not None:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
