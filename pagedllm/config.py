@@ -6,6 +6,7 @@ command line builds its flags from FIELD_RULES and `pagedllm --help` stays fast.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -57,10 +58,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = "auto"
     threads: int | None = None
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
             FIELD_RULES[field.name].validate(field.name, getattr(self, field.name))
+        self.speculative()  # a ValueError saying which key is wrong
         if self.attention_backend == "triton" and resolve_device(self.device).type != "cuda":
             raise ValueError(
                 f"attention_backend='triton' needs a CUDA device, but device={self.device!r} is "
@@ -78,6 +81,10 @@ class EngineConfig:
         directory = os.path.dirname(os.path.abspath(self.trace_file))
         if not os.path.isdir(directory):
             raise ValueError(f"trace_file {self.trace_file!r}: directory {directory!r} does not exist")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (a dict, or its JSON text as a command line gives it); None: no speculation."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike | None, **kwargs) -> EngineConfig:
@@ -113,7 +120,12 @@ class EngineConfig:
         )  # fmt: skip
         threads, threads_source = (self.threads, "asked for") if self.threads is not None else default_threads()
         config = replace(config, threads=threads)
-        return ResolvedConfig(config, device, dtype, max_model_len, async_scheduling, kernels, threads, threads_source)
+        speculative = self.speculative()
+        if speculative is not None:
+            speculative.check_engine(config)
+        return ResolvedConfig(
+            config, device, dtype, max_model_len, async_scheduling, kernels, threads, threads_source, speculative
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +143,90 @@ class ResolvedConfig:
     kernels: KernelChoices
     threads: int  # torch's CPU threads in the engine's process (each CPU tensor-parallel rank takes a share)
     threads_source: str  # why that many, for the start-up line
+    speculative: SpeculativeConfig | None = None  # config.speculative_config parsed; None: no speculation
+
+    @property
+    def max_sampled_rows(self) -> int:
+        """The most rows one step samples: one per state index, and with speculation k more for each verifying one."""
+        k = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+        return self.config.max_num_seqs * (1 + k)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's rule for n-gram lookup lengths: both unset, 5 and 5; one set, the other the same.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, checked: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b} or {"method": "draft_model", "model": path, "num_speculative_tokens": k}; with either,
+    "disable_by_batch_size": n (a step with more running sequences than n speculates for none; None: never)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram: the shortest suffix looked up in the sequence's earlier tokens
+    prompt_lookup_max: int = 0  # ngram: the longest (tried first)
+    model: str | None = None  # draft_model: its checkpoint, which shares the target's tokenizer
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict | str | SpeculativeConfig) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON ({error}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")
+        accepted = [field.name for field in fields(cls)]
+        unknown = sorted(set(value) - set(accepted))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; accepted: {', '.join(accepted)}")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            number = value.get(key)
+            if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
+                raise ValueError(f"speculative_config.{key} must be a positive int, got {number!r}")
+        if value.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config needs num_speculative_tokens: how many tokens each step proposes")
+        if method == "ngram":
+            return cls.ngram(value)
+        return cls.draft_model(value)
+
+    @classmethod
+    def ngram(cls, value: dict) -> SpeculativeConfig:
+        if value.get("model") is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no model (it looks up the sequence's tokens)")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        low, high = low or high or DEFAULT_PROMPT_LOOKUP, high or low or DEFAULT_PROMPT_LOOKUP
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}")
+        return cls("ngram", value["num_speculative_tokens"], low, high, None, value.get("disable_by_batch_size"))
+
+    @classmethod
+    def draft_model(cls, value: dict) -> SpeculativeConfig:
+        model = value.get("model")
+        if not isinstance(model, str | os.PathLike) or not os.fspath(model):
+            raise ValueError("speculative_config: method 'draft_model' needs model, the draft's checkpoint path")
+        if value.get("prompt_lookup_min") is not None or value.get("prompt_lookup_max") is not None:
+            raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram', not 'draft_model'")
+        k = value["num_speculative_tokens"]
+        return cls("draft_model", k, model=os.fspath(model), disable_by_batch_size=value.get("disable_by_batch_size"))
+
+    def check_engine(self, config: EngineConfig) -> None:
+        """What the engine cannot speculate with yet: a ValueError saying what to change."""
+        if self.method == "draft_model" and config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only")
+        if self.method == "draft_model" and config.device.type == "cuda":
+            raise ValueError(
+                "speculative_config: the draft model runs on CPU only for now (on CUDA its memory is not set aside "
+                "and its steps are not captured as graphs); use method 'ngram' on a GPU"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +414,13 @@ FIELD_RULES: dict[str, Rule] = {
         (int, NONE),
         POSITIVE_INT_OR_NONE,
         is_positive_or_none,
+    ),
+    "speculative_config": Rule(
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}; None: off',
+        (dict, str, NONE),
+        "None, a dict or its JSON text (vLLM's speculative_config)",
     ),
     "quantization": Rule(
         "the linear layers' weights: auto, the checkpoint's where the device runs it (an FP8 checkpoint's fp8 on a "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -153,3 +155,51 @@ def test_threads_are_checked_and_set(llama_dir):
         assert torch.get_num_threads() == 1 and llm.llm_engine.resolved.threads_source == "asked for"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3}, ("ngram", 3, 5, 5, None)),  # vLLM's lookup default
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}, ("ngram", 2, 4, 4, None)),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}',
+         ("ngram", 4, 2, 3, None)),
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 5}, ("draft_model", 5, 0, 0, "/m")),
+    ],
+)  # fmt: skip
+def test_speculative_config_takes_vllms_keys_as_a_dict_or_json(value, expected):
+    parsed = EngineConfig(speculative_config=value).speculative()
+    assert (parsed.method, parsed.num_speculative_tokens, parsed.prompt_lookup_min, parsed.prompt_lookup_max,
+            parsed.model) == expected  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{method", "not valid JSON"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive int"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         "prompt_lookup_min=4 is above prompt_lookup_max=2"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "takes no model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ],
+)  # fmt: skip
+def test_a_bad_speculative_config_says_what_is_wrong(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(speculative_config=value)
+
+
+def test_a_speculative_config_of_another_type_is_a_type_error():
+    with pytest.raises(TypeError, match="a dict or its JSON text"):
+        EngineConfig(speculative_config=[1])
+
+
+def test_a_draft_model_is_refused_where_it_cannot_run_yet():
+    draft = config_module.SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        draft.check_engine(types.SimpleNamespace(tensor_parallel_size=2, device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="CPU only"):
+        draft.check_engine(types.SimpleNamespace(tensor_parallel_size=1, device=torch.device("cuda")))

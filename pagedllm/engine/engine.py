@@ -28,6 +28,8 @@ from pagedllm.sampling.params import SamplingParams, model_sampling_defaults
 from pagedllm.scheduler.block_manager import BlockManager
 from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
+from pagedllm.spec_decode.metrics import SpecDecodeStats
+from pagedllm.spec_decode.speculator import make_speculator
 from pagedllm.trace.tracer import Tracer
 
 # When no step has work, how long step() waits for a grammar to compile before it returns.
@@ -99,6 +101,8 @@ class LLMEngine:
         self.config = config = resolved.config  # every default made concrete
         self.max_model_len = resolved.max_model_len
         torch.set_num_threads(resolved.threads)  # before the executor: CPU tensor-parallel ranks share them out
+        # Speculative decoding: a draft model is checked before anything starts, and loaded once the cache is sized.
+        self.speculator = make_speculator(resolved, self.spec, self.tokenizer)
         # Under torchrun, on ranks other than 0 make_executor serves rank 0 and exits the process.
         self.worker = executor if executor is not None else make_executor(resolved, self.spec, checkpoint)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -113,11 +117,19 @@ class LLMEngine:
         self.async_scheduling = resolved.async_scheduling
         self.token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
         decode = self.decode_token if self.tokenizer is not None else None
-        self.pipeline = StepPipeline(self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode)
+        self.spec_decode_stats: SpecDecodeStats | None = None  # the totals of every step, while speculating
+        if self.speculator is not None:
+            self.speculator.start(self.worker.num_kv_blocks)
+            self.spec_decode_stats = SpecDecodeStats()
+        self.pipeline = StepPipeline(
+            self.scheduler, self.worker, overlap=self.async_scheduling, decode=decode, speculator=self.speculator
+        )
         # Called with each step's record once its tokens are back (progress bars, benchmarks, traces).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         # Those of them that asked for device timings: the executor records them while any is attached.
         self.timed_listeners: list[Callable[[StepRecord], None]] = []
+        if self.spec_decode_stats is not None:
+            self.step_listeners.append(self.spec_decode_stats.add)
         self.tracer: Tracer | None = None
         if config.trace_file is not None:
             self.start_trace(os.fspath(config.trace_file), config.trace_kv_every)
@@ -276,6 +288,8 @@ class LLMEngine:
         """End the executor: its rank processes under tensor parallelism, and the device memory it holds."""
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.worker.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -301,6 +315,8 @@ class LLMEngine:
         ended: set[str] = set()
         for token in result.tokens:
             seq = token.seq
+            if token.position >= seq.num_tokens:
+                continue  # a verify step's token after one that ended the sequence (a stop string, its grammar)
             request = self.requests[seq.request_id]
             self.take_token(request.samples[seq.sample_index], token)
             progressed[seq.request_id] = request
@@ -321,32 +337,37 @@ class LLMEngine:
         return outputs
 
     def take_token(self, sample: Sample, token: NewToken) -> None:
-        """Grammar, logprobs, text and stop strings for one new token (already appended to the sequence)."""
+        """Grammar, logprobs, text and stop strings for one new token (already appended to the sequence; a verify
+        step appends several, taken here one by one: only the last can be the one that ended the sequence)."""
         seq = sample.seq
+        position = token.position if token.position >= 0 else seq.num_tokens - 1
+        ended = seq.is_finished and position == seq.num_tokens - 1  # this token is the sequence's last
         # Ended by EOS or a stop token (the scheduler's rules): that token's text is left out, and it is no grammar
         # text either, so the matcher does not take it.
-        ended_by_token = seq.finish_reason == "stop"
+        ended_by_token = ended and seq.finish_reason == "stop"
         if seq.grammar is not None and not ended_by_token:
-            self.advance_grammar(seq, token.token_id)
+            self.advance_grammar(seq, token.token_id, position)
         if sample.logprobs is not None:
             sample.logprobs.append(token.logprobs)
             sample.cumulative_logprob += token.logprobs[token.token_id].logprob
+        ended = seq.is_finished and position == seq.num_tokens - 1  # its grammar may have ended it here
         if sample.detokenizer is None:
             return
         if sample.text_at_end:
-            if seq.is_finished:
+            if ended:
                 sample.detokenizer.decode_all(seq.output_token_ids, stop_terminated=ended_by_token)
             return
         stop = sample.detokenizer.update([token.token_id], stop_terminated=ended_by_token)
         if stop is not None:  # the text reached a stop string: the sequence ends here
-            if seq.is_finished:  # at its length limit on the same token: the stop string names the reason
+            if ended:  # at its length limit on the same token: the stop string names the reason
                 seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(seq, "stop", stop_reason=stop)
-        if seq.is_finished:
+            else:  # tokens a verify step appended after it are dropped
+                self.scheduler.finish(seq, "stop", stop_reason=stop, num_tokens=position + 1)
+                ended = True
+        if ended:
             sample.detokenizer.finish()
 
-    def advance_grammar(self, seq: Sequence, token_id: int) -> None:
+    def advance_grammar(self, seq: Sequence, token_id: int, position: int) -> None:
         """The matcher takes the token. A complete output ends the sequence now, with finish_reason "stop", before it
         samples again: a terminated matcher allows only EOS, and nothing at all for a model without EOS. The library
         may yet refuse a token its mask allowed (llguidance gives up on a grammar too complex for its parser's limits,
@@ -357,15 +378,15 @@ class LLMEngine:
                 "request %s: its grammar refused token %d, which its mask allowed; the output ends here (abort)",
                 seq.request_id, token_id,
             )  # fmt: skip
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+            if not seq.is_finished or position < seq.num_tokens - 1:
+                self.scheduler.finish(seq, "abort", num_tokens=position + 1)
             return
         if not matcher.is_terminated():
             return
-        if seq.is_finished:  # at its length limit on the same token: the grammar's end names the reason
-            seq.finish_reason = "stop"
-        else:
-            self.scheduler.finish(seq, "stop")
+        if seq.is_finished and position == seq.num_tokens - 1:  # at its length limit on the same token: the
+            seq.finish_reason = "stop"  # grammar's end names the reason
+        else:  # tokens a verify step appended after this one are dropped
+            self.scheduler.finish(seq, "stop", num_tokens=position + 1)
 
     def decode_token(self, token_id: int) -> str:
         """A token's own text (Logprob.decoded_token); the token's name where it is part of a character."""

@@ -5,13 +5,12 @@ This is the only place where scheduler objects become device inputs.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
-from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling
+from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling, block_table_array
 from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
@@ -32,15 +31,9 @@ class PlannedStep:
     plan: StepPlan
     owners: list[Sequence]  # owners[r] sampled row r
     prompt_logprob_spans: list[PromptLogprobSpan]  # in the order of plan.prompt_logprob_rows
-
-
-def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
-    """The int32 block tables as rows of one [len(block_tables), width] array, zero-padded: their bytes are joined
-    once and scattered under a mask (a row at a time costs ~4x more at 256 sequences)."""
-    lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
-    table = np.zeros((len(block_tables), width), dtype=np.int32)
-    table[np.arange(width) < lengths[:, None]] = np.frombuffer(b"".join(block_tables), dtype=np.int32)
-    return table
+    # A verify step's (speculative decoding), else None: row r is the verify_offsets[r]-th of owners[r]'s rows, which
+    # are consecutive; offset j samples the token after its j-th draft (0: after its last token).
+    verify_offsets: list[int] | None = None
 
 
 class LastSamplingBatch:
@@ -55,21 +48,33 @@ class LastSamplingBatch:
 
 
 def step_sampling(
-    batch: ScheduledBatch, owners: list[Sequence], spans: list[PromptLogprobSpan], last: LastSamplingBatch
+    batch: ScheduledBatch,
+    owners: list[Sequence],
+    spans: list[PromptLogprobSpan],
+    last: LastSamplingBatch,
+    verify_offsets: list[int] | None = None,
 ) -> StepSampling:
+    """verify_offsets: a verify step's (PlannedStep.verify_offsets). Its row after j drafts samples as the j-th
+    token after the last one would: j more output tokens (min_tokens), the j drafts counted by its penalties. Such
+    a batch is never kept: its drafts change every step."""
     state_indices = [seq.state_index for seq in owners]
-    if last.batch is not None and owners == last.owners:  # Sequences compare by identity
+    if last.batch is not None and owners == last.owners and verify_offsets is None:  # Sequences compare by identity
         sampling_batch = last.batch
     else:
         params = [seq.sampling_params for seq in owners]
+        offsets = verify_offsets or [0] * len(owners)
         # Only rows with min_tokens read their output count and the EOS ids (every sequence of one engine has the
         # engine's EOS ids, which min_tokens bans).
         num_output_tokens, eos_token_ids = None, frozenset()
         if any([p.min_tokens for p in params]):
-            num_output_tokens = [seq.num_output_tokens for seq in owners]
+            num_output_tokens = [seq.num_output_tokens + offset for seq, offset in zip(owners, offsets)]
             eos_token_ids = frozenset().union(*(seq.eos_token_ids for seq in owners if seq.sampling_params.min_tokens))
-        sampling_batch = build_sampling_batch(params, state_indices, num_output_tokens, eos_token_ids)
-        last.owners, last.batch = owners, sampling_batch if num_output_tokens is None else None
+        ahead = None
+        if verify_offsets is not None:
+            ahead = [seq.draft_token_ids[:offset] for seq, offset in zip(owners, offsets)]
+        sampling_batch = build_sampling_batch(params, state_indices, num_output_tokens, eos_token_ids, ahead)
+        keep = num_output_tokens is None and verify_offsets is None
+        last.owners, last.batch = owners, sampling_batch if keep else None
     targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
     return StepSampling(
         batch=sampling_batch,
@@ -102,10 +107,15 @@ def prompt_logprob_spans(
     return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
-def grammar_masks(owners: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+def grammar_masks(
+    owners: list[Sequence], verify_offsets: list[int] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The mask rows of the sample rows a grammar constrains, filled by their matchers now, and their row indices
     (ascending); None when no row is constrained, so such a step carries no mask at all. A constrained sequence never
-    holds a placeholder here: the pipeline settles a step with constrained rows before it plans the next."""
+    holds a placeholder here: the pipeline settles a step with constrained rows before it plans the next.
+    A verify row after j drafts is masked as the grammar stands after them: the matcher takes each draft before
+    the row that follows it (the proposer kept only drafts the grammar allows) and gives them back after the
+    sequence's last row."""
     rows = [row for row, seq in enumerate(owners) if seq.grammar is not None]
     if not rows:
         return None
@@ -113,8 +123,31 @@ def grammar_masks(owners: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | Non
     for index, row in enumerate(rows):
         seq = owners[row]
         assert seq.pending_sample_index < 0, "a constrained row's mask needs its previous token"
+        offset = verify_offsets[row] if verify_offsets is not None else 0
+        if offset:
+            allowed = seq.grammar.matcher.accept_token(seq.draft_token_ids[offset - 1])
+            assert allowed, "a draft the grammar refuses was proposed"
         seq.grammar.fill(bitmask[index])
+        if offset and offset == len(seq.draft_token_ids):
+            seq.grammar.matcher.rollback(offset)
     return bitmask, np.array(rows, dtype=np.int64)
+
+
+def verify_sample_rows(
+    seqs: list[Sequence], ends: list[int], query_start_loc: np.ndarray
+) -> tuple[list[Sequence], np.ndarray, list[int]]:
+    """A verify step's sample rows, owners and offsets (PlannedStep.verify_offsets): a sequence that computes its
+    last token and k drafts samples k + 1 rows, after each of them."""
+    owners, rows, offsets = [], [], []
+    for index, (seq, end) in enumerate(zip(seqs, ends)):
+        num_drafts = len(seq.draft_token_ids)
+        if end != len(seq.token_ids) + num_drafts:
+            continue  # a prompt chunk that does not end the prompt
+        last_row = int(query_start_loc[index + 1]) - 1
+        owners += [seq] * (num_drafts + 1)
+        rows += range(last_row - num_drafts, last_row + 1)
+        offsets += range(num_drafts + 1)
+    return owners, np.array(rows, dtype=np.int64), offsets
 
 
 def build_step_plan(
@@ -135,7 +168,10 @@ def build_step_plan(
 
     token_seq = np.repeat(np.arange(len(seqs)), num_new)
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - start, num_new)
-    if num_tokens == len(seqs):  # one new token each (decode): index, do not slice
+    if batch.num_draft_tokens:  # a verify step: each sequence's drafts follow its tokens
+        chunks = (seq.token_ids[s:e] + seq.draft_token_ids for seq, s, e in zip(seqs, starts, ends))
+        input_ids = np.fromiter(chain.from_iterable(chunks), np.int64, num_tokens)
+    elif num_tokens == len(seqs):  # one new token each (decode): index, do not slice
         input_ids = np.array([seq.token_ids[s] for seq, s in zip(seqs, starts)], dtype=np.int64)
     else:
         input_ids = np.fromiter(
@@ -144,9 +180,13 @@ def build_step_plan(
     tables = [seq.block_table for seq in seqs]
     block_tables = block_table_array(tables, max(map(len, tables)))
     slot_mapping = block_tables[token_seq, positions // block_size] * np.int64(block_size) + positions % block_size
-    sampled = [i for i, (seq, end) in enumerate(zip(seqs, ends)) if end == len(seq.token_ids)]
-    owners = [seqs[i] for i in sampled]
-    sample_rows = query_start_loc[1:][sampled] - 1
+    verify_offsets = None
+    if batch.num_draft_tokens:
+        owners, sample_rows, verify_offsets = verify_sample_rows(seqs, ends, query_start_loc)
+    else:
+        sampled = [i for i, (seq, end) in enumerate(zip(seqs, ends)) if end == len(seq.token_ids)]
+        owners = [seqs[i] for i in sampled]
+        sample_rows = query_start_loc[1:][sampled] - 1
     # Only these can complete a prompt, fork or have prompt logprobs (in a decode step, usually none).
     in_prompt = [i for i, (seq, s) in enumerate(zip(seqs, starts)) if s < seq.num_prompt_tokens]
     # A request's other samples take their first tokens from the row that completes its prompt (they fork after it).
@@ -154,6 +194,8 @@ def build_step_plan(
     if forking:
         sample_rows = np.concatenate([sample_rows, [query_start_loc[i + 1] - 1 for i, _ in forking]])
         owners += [fork for _, fork in forking]
+        if verify_offsets is not None:
+            verify_offsets += [0] * len(forking)
     # A pending token is its sequence's only uncomputed token, so it is that sequence's first (only) new row.
     pending = [i for i, seq in enumerate(seqs) if seq.pending_sample_index >= 0]
     spans, prompt_logprob_rows = prompt_logprob_spans(seqs, in_prompt, start, seq_lens, query_start_loc)
@@ -171,11 +213,11 @@ def build_step_plan(
         decode_only=bool((num_new == 1).all()),
         placeholder_rows=query_start_loc[pending],
         placeholder_sources=np.array([seqs[i].pending_sample_index for i in pending], dtype=np.int64),
-        sampling=step_sampling(batch, owners, spans, last_sampling),
+        sampling=step_sampling(batch, owners, spans, last_sampling, verify_offsets),
         prompt_logprob_rows=prompt_logprob_rows,
         block_copies=np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2),
     )
-    masks = grammar_masks(owners)
+    masks = grammar_masks(owners, verify_offsets)
     if masks is not None:
         plan.token_bitmask, plan.bitmask_rows = masks
-    return PlannedStep(plan, owners, spans)
+    return PlannedStep(plan, owners, spans, verify_offsets)

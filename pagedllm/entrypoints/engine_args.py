@@ -47,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> argparse.
             group.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             value_type = float if float in rule.types else int if int in rule.types else str
-            metavar = {float: "X", int: "N", str: None}[value_type]
+            metavar = "JSON" if dict in rule.types else {float: "X", int: "N", str: None}[value_type]
             group.add_argument(flag(name), type=value_type, default=default, metavar=metavar, help=help_text)
     return group
 

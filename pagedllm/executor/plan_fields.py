@@ -16,7 +16,7 @@ class RowKind:
     """What an array has one row of. The arrays of one kind that a plan sets have the same number of rows."""
 
     count: str  # the name of the plan's number of such rows (padding names the counts it extends)
-    bound: str | None  # what step buffers hold at most of them: "tokens" or "seqs"; None: never uploaded
+    bound: str | None  # what step buffers hold at most of them: "tokens", "seqs" or "samples"; None: never uploaded
     extra: int = 0  # rows past the count
     # Each row is where a sequence's tokens start among the packed rows, the last where they end: padding
     # sequences continue from the end.
@@ -28,9 +28,10 @@ SEQS = RowKind("num_seqs", "seqs")
 QUERY_STARTS = RowKind("num_seqs", "seqs", extra=1, token_offsets=True)
 # A block-table row per sequence, except the empty sequences that pad a prompt step: their rows are never read.
 TABLE_ROWS = RowKind("num_table_rows", "seqs")
-SAMPLED = RowKind("num_sampled", "seqs")  # one per state index at most: max_num_seqs
+# One per state index, and with speculative decoding k more per verifying sequence: ResolvedConfig.max_sampled_rows.
+SAMPLED = RowKind("num_sampled", "samples")
 PLACEHOLDERS = RowKind("num_placeholders", "seqs")
-MASKED = RowKind("num_masked", "seqs")  # the sampled rows a grammar constrains (structured outputs): some of SAMPLED
+MASKED = RowKind("num_masked", "samples")  # the sampled rows a grammar constrains (structured outputs): some of SAMPLED
 PROMPT_LOGPROB_ROWS = RowKind("num_prompt_logprob_rows", "tokens")
 BLOCK_COPIES = RowKind("num_block_copies", None)
 

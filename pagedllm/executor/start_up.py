@@ -248,11 +248,12 @@ def refill_allocator(worker: Worker) -> None:
 
 @torch.inference_mode()
 def warm_logit_row_counts(worker: Worker) -> None:
-    """The lm head's GEMM runs eagerly, after a step's graph, on the rows the step samples (1..max_num_seqs) or on a
-    chunk of prompt-logprob rows (up to PROMPT_LOGPROB_CHUNK). The first GEMM at each new row count waits for the
-    device, which a user's first run would otherwise pay (benchmarks/NOTES.md, "Moved from docstrings"). Every row
-    count once, here (a few hundred small GEMMs)."""
-    num_rows = max(worker.config.max_num_seqs, PROMPT_LOGPROB_CHUNK)
+    """The lm head's GEMM runs eagerly, after a step's graph, on the rows the step samples (1..max_num_seqs, and
+    with speculative decoding up to k + 1 per sequence) or on a chunk of prompt-logprob rows (up to
+    PROMPT_LOGPROB_CHUNK). The first GEMM at each new row count waits for the device, which a user's first run would
+    otherwise pay (benchmarks/NOTES.md, "Moved from docstrings"). Every row count once, here (a few hundred small
+    GEMMs, a few thousand with speculation)."""
+    num_rows = max(worker.resolved.max_sampled_rows, PROMPT_LOGPROB_CHUNK)
     hidden = torch.zeros(num_rows, worker.spec.hidden_size, dtype=worker.dtype, device=worker.device)
     for rows in range(1, num_rows + 1):
         worker.model.compute_logits(hidden[:rows])

@@ -93,8 +93,9 @@ class PackedInputs:
 
     Layout: the arrays of one value a row, then the block tables (the first table declared), in the one copy; each
     later table (a grammar's bitmask, say) after them, in a copy of its own when the plan fills any of its rows.
-    Each field holds as many rows as its kind's bound (max_tokens or max_seqs, plus the kind's extra rows), and a
-    table as many columns as its width: table_width for the block tables, `widths` for tables of other names."""
+    Each field holds as many rows as its kind's bound (max_tokens, max_seqs or max_samples, plus the kind's extra
+    rows), and a table as many columns as its width: table_width for the block tables, `widths` for tables of other
+    names."""
 
     def __init__(
         self,
@@ -104,10 +105,12 @@ class PackedInputs:
         device: torch.device,
         plan_type: type[StepPlan] = StepPlan,
         widths: dict[str, int] | None = None,
+        max_samples: int | None = None,
     ):
+        """max_samples: sampled rows a step may have (None: max_seqs, one per sequence)."""
         self.plan_type = plan_type
         widths = {"table_width": table_width, **(widths or {})}
-        bounds = {"tokens": max_tokens, "seqs": max_seqs}
+        bounds = {"tokens": max_tokens, "seqs": max_seqs, "samples": max_samples or max_seqs}
         specs = {name: spec for name, spec in plan_arrays(plan_type) if spec.upload}
         shapes: dict[str, tuple[int, ...]] = {}  # name -> (rows,) or (rows, columns)
         for name, spec in specs.items():
@@ -188,10 +191,13 @@ class StepBuffers:
         device: torch.device,
         plan_type: type[StepPlan] = StepPlan,
         widths: dict[str, int] | None = None,
+        max_samples: int | None = None,
     ):
+        """max_samples: sampled rows a step may have (None: max_seqs); a decode step samples at most max_seqs (a
+        verify step, which samples more, is no decode step)."""
         self.decode = PackedInputs(max_seqs, max_seqs, table_width, device, plan_type, widths)
         self.decode.fill_padding(tokens_per_padding_seq=1)
-        self.any_step = PackedInputs(max_tokens, max_seqs, table_width, device, plan_type, widths)
+        self.any_step = PackedInputs(max_tokens, max_seqs, table_width, device, plan_type, widths, max_samples)
         # The host buffers are rewritten each step: wait until the previous step's copy has left them.
         self.uploads_done = torch.cuda.Event() if device.type == "cuda" else None
 

@@ -7,6 +7,7 @@ attention/metadata.py). Row r of `sample_rows` is the packed row whose logits sa
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,11 @@ class StepSampling:
     # The prompt token each prompt_logprob_rows row predicts, and the largest top-N asked for among those rows.
     prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     num_prompt_logprobs: int = 0
+    # Speculative decoding: what the previous step's rejected verify rows must not leave behind, applied after the
+    # registrations: (state index, row of the previous step) generators put back to their state after that row's
+    # draw, and (state index, token id) penalty counts taken back.
+    generator_rewinds: list[tuple[int, int]] = field(default_factory=list)
+    uncounted_tokens: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -101,3 +107,12 @@ class StepPlan:
     @property
     def num_sampled(self) -> int:
         return len(self.sample_rows)
+
+
+def block_table_array(block_tables: list[array], width: int) -> np.ndarray:
+    """The int32 block tables (Sequence.block_table) as rows of one [len(block_tables), width] array, zero-padded:
+    their bytes are joined once and scattered under a mask (a row at a time costs ~4x more at 256 sequences)."""
+    lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    table = np.zeros((len(block_tables), width), dtype=np.int32)
+    table[np.arange(width) < lengths[:, None]] = np.frombuffer(b"".join(block_tables), dtype=np.int32)
+    return table

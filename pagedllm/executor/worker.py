@@ -55,7 +55,10 @@ class Worker:
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
             # A grammar's bitmask row covers the model's vocabulary (structured outputs).
             widths = {"bitmask_words": bitmask_words(self.spec.vocab_size)}
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, table_width, device, widths=widths)
+            self.buffers = StepBuffers(
+                max_tokens, config.max_num_seqs, table_width, device, widths=widths,
+                max_samples=resolved.max_sampled_rows,
+            )  # fmt: skip
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.prefill_token_counts = graph_token_counts(max_tokens)
         # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
@@ -137,6 +140,8 @@ class Worker:
             self.sampler.release(state_index)
         for request in sampling.new_requests:
             self.sampler.add_request(request.state_index, request.params, request.prompt_token_ids)
+        if sampling.generator_rewinds or sampling.uncounted_tokens:
+            self.sampler.take_back(sampling.generator_rewinds, sampling.uncounted_tokens)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> LogprobsTensors | None:
         """Logprobs of each prompt token given the tokens before it, from the raw log-softmax of the rows that

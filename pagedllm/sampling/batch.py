@@ -34,6 +34,13 @@ class SamplingBatch:
     presence_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
     frequency_penalties: np.ndarray | None = None  # [p] float32; None when all are 0
     repetition_penalties: np.ndarray | None = None  # [p] float32; None when all are 1
+    # Tokens a penalised row's request has ahead of its counts on the device (a verify row's drafts before it,
+    # counted as if sampled): (index among the penalty rows, token id) pairs.
+    penalty_ahead_rows: np.ndarray | None = None  # [a] int64
+    penalty_ahead_token_ids: np.ndarray | None = None  # [a] int64
+    # A verify step's: the sampler keeps each seeded row's generator state after its draw, so the next step can
+    # rewind a generator past the draws of rejected rows (StepSampling.generator_rewinds).
+    keep_generator_states: bool = False
     logprob_rows: np.ndarray | None = None  # [r] int64: rows that asked for logprobs
     num_logprobs: np.ndarray | None = None  # [r] int64: how many top logprobs each of them asked for
     # The batch on the sampling device, made by the first step that samples it. A batch is reused while the same
@@ -85,6 +92,8 @@ class SamplingBatch:
                 presence=upload(self.presence_penalties),
                 frequency=upload(self.frequency_penalties),
                 repetition=upload(self.repetition_penalties),
+                ahead_rows=upload(self.penalty_ahead_rows),
+                ahead_token_ids=upload(self.penalty_ahead_token_ids),
             )
         return SamplingTensors(
             temperatures=temperatures,
@@ -101,6 +110,7 @@ class SamplingBatch:
             penalties=penalties,
             logprob_rows=upload(self.logprob_rows),
             max_num_logprobs=0 if self.num_logprobs is None else int(self.num_logprobs.max()),
+            keep_generator_states=self.keep_generator_states,
         )
 
 
@@ -127,6 +137,8 @@ class PenaltyTensors:
     presence: torch.Tensor | None  # [p] float32; None: all 0
     frequency: torch.Tensor | None  # [p] float32; None: all 0
     repetition: torch.Tensor | None  # [p] float32; None: all 1
+    ahead_rows: torch.Tensor | None = None  # [a] int64: see SamplingBatch.penalty_ahead_rows
+    ahead_token_ids: torch.Tensor | None = None  # [a] int64
 
 
 @dataclass(slots=True)
@@ -147,6 +159,7 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None
     logprob_rows: torch.Tensor | None = None  # [r] int64
     max_num_logprobs: int = 0  # the largest top-N among logprob_rows
+    keep_generator_states: bool = False  # see SamplingBatch
 
 
 def build_sampling_batch(
@@ -154,10 +167,12 @@ def build_sampling_batch(
     state_indices: Sequence[int] | None = None,
     num_output_tokens: Sequence[int] | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
+    ahead_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> SamplingBatch:
     """params[i] is row i's request. state_indices: each row's request state index (needed when a row has penalties or a
     seed).
-    num_output_tokens: tokens each row's request has generated before this sample (needed for min_tokens)."""
+    num_output_tokens: tokens each row's request has generated before this sample (needed for min_tokens).
+    ahead_token_ids: a verify step's, per row, the drafts before it, which its penalties count as output tokens."""
     temperatures = np.array([p.temperature for p in params], dtype=np.float32)
     batch = SamplingBatch(temperatures)
     if not params:
@@ -181,7 +196,8 @@ def build_sampling_batch(
         batch.seeded_rows = np.array(seeded, dtype=np.int64)
         batch.seeded_state_indices = np.array([state_indices[row] for row in seeded], dtype=np.int64)
     add_adjustments(batch, params, num_output_tokens, eos_token_ids)
-    add_penalties(batch, params, state_indices)
+    add_penalties(batch, params, state_indices, ahead_token_ids)
+    batch.keep_generator_states = ahead_token_ids is not None and bool(seeded)
     asked = [row for row, p in enumerate(params) if p.logprobs is not None]
     if asked:
         batch.logprob_rows = np.array(asked, dtype=np.int64)
@@ -214,10 +230,20 @@ def add_adjustments(
         batch.adjustments = np.array(values, dtype=np.float32)
 
 
-def add_penalties(batch: SamplingBatch, params: Sequence[SamplingParams], state_indices: Sequence[int] | None) -> None:
+def add_penalties(
+    batch: SamplingBatch,
+    params: Sequence[SamplingParams],
+    state_indices: Sequence[int] | None,
+    ahead_token_ids: Sequence[Sequence[int]] | None = None,
+) -> None:
     rows = [row for row, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return
+    if ahead_token_ids is not None:
+        ahead = [(index, token) for index, row in enumerate(rows) for token in ahead_token_ids[row]]
+        if ahead:
+            batch.penalty_ahead_rows = np.array([index for index, _ in ahead], dtype=np.int64)
+            batch.penalty_ahead_token_ids = np.array([token for _, token in ahead], dtype=np.int64)
     assert state_indices is not None, "rows with penalties need their request state indices"
     batch.penalty_rows = np.array(rows, dtype=np.int64)
     batch.penalty_state_indices = np.array([state_indices[row] for row in rows], dtype=np.int64)

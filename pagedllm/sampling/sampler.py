@@ -70,6 +70,8 @@ class Sampler:
         self.penalties = PenaltyState(num_states, vocab_size, device, kernels)
         self.generators = SeededGenerators(device)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        # Row -> its generator's state after the row's draw, for the seeded rows of the last verify step sampled.
+        self.generator_states: dict[int, torch.Tensor] = {}
 
     def add_request(self, state_index: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         if params.uses_penalties:
@@ -80,6 +82,16 @@ class Sampler:
     def release(self, state_index: int) -> None:
         self.penalties.release(state_index)
         self.generators.release(state_index)
+
+    def take_back(self, rewinds: list[tuple[int, int]], uncounted: list[tuple[int, int]]) -> None:
+        """Undo what the last step's rejected verify rows did to request state: each (state index, row) of rewinds
+        puts that index's generator back to its state after the row's draw (the row of the last token it kept), and
+        each (state index, token) of uncounted leaves the penalty counts."""
+        for state_index, row in rewinds:
+            self.generators.rewind(state_index, self.generator_states[row])
+        if uncounted:
+            state_indices, token_ids = torch.tensor(uncounted, dtype=torch.int64, device=self.device).unbind(1)
+            self.penalties.uncount(state_indices, token_ids)
 
     @torch.inference_mode()  # as the worker's steps run: compiled code is guarded on the grad mode
     def warmup(self) -> None:
@@ -109,7 +121,11 @@ class Sampler:
                 self.device, self.generators.__getitem__, self.default_generator, self.kernels.pin_memory
             )
         tensors = batch.on_device
-        return sample_tokens(logits.float(), tensors, self.penalties, self.kernels, mask)
+        states = {} if tensors.keep_generator_states else None
+        output = sample_tokens(logits.float(), tensors, self.penalties, self.kernels, mask, states)
+        if states is not None:
+            self.generator_states = states
+        return output
 
 
 def sample_tokens(
@@ -118,9 +134,11 @@ def sample_tokens(
     penalty_state: PenaltyState | None = None,
     kernels: KernelChoices = TORCH_KERNELS,
     mask: TokenMask | None = None,
+    generator_states: dict[int, torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """logits [rows, vocab] float32 (modified in place) -> the sampled ids, and logprobs for the rows that asked.
-    Logprobs are the model's (raw): taken before the grammar's mask, as before logit_bias and penalties."""
+    Logprobs are the model's (raw): taken before the grammar's mask, as before logit_bias and penalties.
+    generator_states: filled with each seeded row's generator state after its draw, when given."""
     raw_logprobs = None
     if params.logprob_rows is not None:
         all_rows = len(params.logprob_rows) == len(logits)
@@ -128,7 +146,7 @@ def sample_tokens(
     if mask is not None:
         # Ascending distinct rows as many as the logits' are every row in order: masked in place, without a gather.
         apply_bitmask(logits, mask.bitmask, None if len(mask.rows) == len(logits) else mask.rows)
-    sampled = choose_tokens(process_logits(logits, params, penalty_state), params, kernels)
+    sampled = choose_tokens(process_logits(logits, params, penalty_state), params, kernels, generator_states)
     if params.penalties is not None:
         penalty_state.update(params.penalties, sampled)
     if raw_logprobs is None:
@@ -151,7 +169,10 @@ def process_logits(
 
 
 def choose_tokens(
-    logits: torch.Tensor, params: SamplingTensors, kernels: KernelChoices = TORCH_KERNELS
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    kernels: KernelChoices = TORCH_KERNELS,
+    generator_states: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if params.all_greedy:
         return logits.argmax(dim=-1)
@@ -159,9 +180,9 @@ def choose_tokens(
         return fused_race(logits, params.temperatures, params.default_generator)
     temperatures = params.divisors
     if params.top_ks is not None or params.top_ps is not None:
-        sampled = sample_truncated(logits, temperatures, params)
+        sampled = sample_truncated(logits, temperatures, params, generator_states)
     else:
-        noise = exponential_noise(logits, params)
+        noise = exponential_noise(logits, params, generator_states=generator_states)
         if params.min_ps is None:
             sampled = fused(exponential_race, kernels.compile)(logits, temperatures, noise)
         else:
@@ -202,7 +223,12 @@ def exponential_race_min_p(
     return (scaled - noise.log()).masked_fill(~keep, -torch.inf).argmax(dim=-1)
 
 
-def sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def sample_truncated(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    params: SamplingTensors,
+    generator_states: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Top-k / top-p (and min-p) rows: rank the tokens, mask in rank order, race over what is left."""
     scaled = logits / temperatures[:, None]
     vocab_size = scaled.shape[-1]
@@ -211,7 +237,7 @@ def sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, params: S
     else:
         candidate_logits, candidate_ids = scaled.sort(dim=-1, descending=True)
     keep = truncation_mask(candidate_logits, params)
-    noise = exponential_noise(candidate_logits, params, candidate_ids, vocab_size)
+    noise = exponential_noise(candidate_logits, params, candidate_ids, vocab_size, generator_states)
     choice = (candidate_logits - noise.log()).masked_fill(~keep, -torch.inf).argmax(dim=-1)
     return candidate_ids.gather(1, choice[:, None]).squeeze(1)
 
@@ -238,9 +264,12 @@ def exponential_noise(
     params: SamplingTensors,
     candidate_ids: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    generator_states: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exp(1) noise shaped like `like`. A seeded row draws one value per vocabulary token from its own generator
-    (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in."""
+    (then picks its candidates' values), so its draw is the same whichever path or batch it is sampled in; the rows
+    of one generator draw in row order (a verify step's rows, one after the other). generator_states, when given,
+    takes each seeded row's generator state after its draw."""
     noise = torch.empty_like(like, dtype=torch.float32)
     if len(params.generators) < len(like):  # some row has no generator of its own
         noise.exponential_(generator=params.default_generator)
@@ -250,4 +279,6 @@ def exponential_noise(
         else:
             row_noise = torch.empty(vocab_size, device=like.device).exponential_(generator=generator)
             noise[row] = row_noise.index_select(0, candidate_ids[row])
+        if generator_states is not None:
+            generator_states[row] = generator.get_state()
     return noise

@@ -55,12 +55,20 @@ class PenaltyState:
             frequency = neutral(0.0) if frequency is None else frequency
             repetition = neutral(1.0) if repetition is None else repetition
         counts = self.output_counts.index_select(0, penalties.state_indices)
+        if penalties.ahead_rows is not None:  # a verify row's drafts before it count as its output
+            one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(penalties.ahead_rows.shape)
+            counts.index_put_((penalties.ahead_rows, penalties.ahead_token_ids), one, accumulate=True)
         prompt_mask = self.prompt_mask.index_select(0, penalties.state_indices) if repetition is not None else None
         rows = logits if penalties.rows is None else logits.index_select(0, penalties.rows)
         penalised = fused(penalise, self.kernels.compile)(rows, counts, prompt_mask, presence, frequency, repetition)
         if penalties.rows is None:
             return penalised
         return logits.index_copy_(0, penalties.rows, penalised)
+
+    def uncount(self, state_indices: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Take back counted tokens: those sampled by a verify step's rejected rows, which never became output."""
+        minus_one = torch.full((), -1, dtype=torch.int32, device=token_ids.device).expand(token_ids.shape)
+        self.output_counts.index_put_((state_indices, token_ids), minus_one, accumulate=True)
 
     def update(self, penalties: PenaltyTensors, sampled_token_ids: torch.Tensor) -> None:
         """Count each penalised row's sampled token (queued on the device, nothing waits)."""
@@ -107,3 +115,6 @@ class SeededGenerators:
 
     def __getitem__(self, state_index: int) -> torch.Generator:
         return self.by_state_index[state_index]
+
+    def rewind(self, state_index: int, state: torch.Tensor) -> None:
+        self.by_state_index[state_index].set_state(state)

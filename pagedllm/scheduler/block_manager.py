@@ -147,16 +147,27 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, last block first, so a shared prefix outlives the tails that extend it."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash is None:  # nothing to reuse: hand it out before any cached block
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = array("i")
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past those seq's computed tokens fill: the lookahead of a verify step whose drafts were
+        rejected. Such a block holds no computed token, so it was never hashed, and no other sequence holds it (a
+        fork shares only blocks of computed tokens)."""
+        keep = self.blocks_for_tokens(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash is None:  # nothing to reuse: hand it out before any cached block
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (held blocks stay indexed)."""

@@ -4,6 +4,13 @@ Each step a running sequence gets min(uncomputed tokens, budget left): decodes f
 chunks, then waiting requests in arrival order. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
 
+Speculative decoding: a decode whose sequence carries draft tokens (Sequence.draft_token_ids) verifies them: it gets
+1 + drafts tokens of the budget and blocks for all of them (lookahead slots). Drafts are trimmed to the budget and
+to the tokens the sequence may still generate; lookahead that finds too few free blocks is dropped, never paid for
+by a preemption. The step computes every one of those positions, but only the accepted drafts count as computed
+(append_verified): the rejected positions' K/V is stale, overwritten by the next step, which starts there, and
+never hashed; blocks past the computed tokens go back to the pool.
+
 State indices: a sequence takes a state index (0..max_num_seqs-1, the index of its sampling state on the device) when
 it is first admitted, with one for each of its forks (n > 1), and keeps it through preemption until it ends. A request
 is admitted only when indices are free for all its samples, so admitted sequences, running or preempted, never number
@@ -26,6 +33,8 @@ class ScheduledBatch:
     new_state_holders: list[Sequence] = field(default_factory=list)  # took a state index in this schedule (forks too)
     released_state_indices: list[int] = field(default_factory=list)  # of sequences that ended since the last batch
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): before the step
+    # Draft tokens verified in all (each sequence's are its draft_token_ids, within its num_new_tokens); 0: none.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +78,9 @@ class Scheduler:
                 break
             if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
-            num_new_tokens = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft_token_ids and not self._fit_lookahead(seq, budget):
+                seq.draft_token_ids = []
+            num_new_tokens = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
             while not self.block_manager.allocate_blocks_for(seq, num_new_tokens):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
@@ -80,14 +91,28 @@ class Scheduler:
             else:
                 scheduled[seq] = num_new_tokens
                 budget -= num_new_tokens
+        num_draft_tokens = 0
+        for seq in decodes:  # drafts of a sequence left out of this step (no budget) wait for no step
+            if seq.draft_token_ids and seq not in scheduled:
+                seq.draft_token_ids = []
+            num_draft_tokens += len(seq.draft_token_ids)
         new_state_holders: list[Sequence] = []
         if not preempted:  # admitting now would only take blocks that running requests need
             self._admit_waiting(scheduled, budget, new_state_holders)
         batch = ScheduledBatch(list(scheduled), list(scheduled.values()), new_state_holders)
+        batch.num_draft_tokens = num_draft_tokens
         batch.block_copies = self.block_manager.take_pending_copies()
         if not batch.is_empty():  # an empty batch reaches no device: keep the releases for the next one
             batch.released_state_indices, self.released_state_indices = self.released_state_indices, []
         return batch
+
+    def _fit_lookahead(self, seq: Sequence, budget: int) -> bool:
+        """Trim seq's drafts to what this step can verify: 1 + drafts within the budget, and no more than the tokens
+        seq may still generate (the step yields up to 1 + drafts). Then take the blocks for them, if free; False
+        when none is left to verify or the blocks are not free (then it decodes one token, as without drafts)."""
+        drafts = seq.draft_token_ids
+        del drafts[max(0, min(budget, seq.max_num_tokens - seq.num_tokens) - 1) :]
+        return bool(drafts) and self.block_manager.allocate_blocks_for(seq, 1 + len(drafts))
 
     def _runnable(self) -> tuple[list[Sequence], list[Sequence]]:
         """Running sequences with tokens to compute, in admission order: decodes (one token), prefill chunks (more).
@@ -129,6 +154,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.pending_sample_index < 0, "a sequence is preempted only once its tokens are all known"
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = WAITING
         self.running.remove(seq)
@@ -141,7 +167,8 @@ class Scheduler:
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += num_new_tokens
+            # A verify step's drafts count once accepted (append_verified), never here.
+            seq.num_computed_tokens += num_new_tokens - len(seq.draft_token_ids)
             self.block_manager.cache_full_blocks(seq)
             if seq.forks and seq.num_computed_tokens == seq.num_tokens:
                 self._fork(seq)
@@ -170,6 +197,29 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
+    def append_verified(self, seqs: list[Sequence], runs: list[list[int]]) -> list[Sequence]:
+        """A verify step's tokens: for each sequence, its accepted drafts and the token sampled after them (one token
+        where it verified nothing). They are appended one by one under the stop rules; the first that ends the
+        sequence is its last. The accepted drafts' K/V is computed, so every token but the new last one counts as
+        computed and full blocks are hashed; blocks past the computed tokens (rejected lookahead) are released."""
+        finished = []
+        for seq, run in zip(seqs, runs):
+            seq.draft_token_ids = []
+            for token_id in run:
+                seq.token_ids.append(token_id)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
+                    break
+            else:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.trim(seq)
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
@@ -226,13 +276,19 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a running sequence for a reason the engine found (a stop string): it frees its blocks and takes no
-        more tokens; a placeholder it holds for the step in flight is dropped with that step's row."""
+    def finish(
+        self, seq: Sequence, reason: str, stop_reason: int | str | None = None, num_tokens: int | None = None
+    ) -> None:
+        """End a sequence for a reason the engine found (a stop string): it frees its blocks and takes no more
+        tokens; a placeholder it holds for the step in flight is dropped with that step's row. num_tokens: the
+        tokens it keeps, where the reason was found inside a run of accepted drafts (the rest are dropped; the
+        sequence may have ended later in the run already, its reason then replaced)."""
         assert not seq.forks, "a sequence receives tokens only after its samples forked"
         if seq.pending_sample_index >= 0:
             seq.token_ids.pop()
             seq.pending_sample_index = -1
+        if num_tokens is not None:
+            del seq.token_ids[num_tokens:]
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -241,6 +297,7 @@ class Scheduler:
         self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = FINISHED
         seq.finish_reason = reason

@@ -52,6 +52,13 @@ class Sequence:
     # Structured outputs: this sample's grammar (the engine's engine/grammars.SampleGrammar), set before it is first
     # scheduled; None without a constraint. It stays through preemption, which keeps the tokens and rebuilds only KV.
     grammar: object | None = None
+    # Speculative decoding: tokens proposed to follow the last one, which the next step verifies (it computes the
+    # last token and these, and samples after each). Set before the step is scheduled, trimmed by the scheduler to
+    # what fits, cleared when the step's tokens are appended; a draft model's are PLACEHOLDERs until it fills them,
+    # after scheduling. Never part of token_ids: only the accepted ones are appended.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # This sample's speculation state (the engine's spec_decode.SpeculationState: its acceptance window, back-off).
+    speculation: object | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

@@ -16,7 +16,10 @@ DEVICE_PHASES = ("forward", "sampling")
 
 # A step span's args, in this order.
 STEP_FIELDS = ("step", "seqs", "prefill_tokens", "decode_tokens", "sampled", "generated", "running", "waiting",
-               "kv_used", "kv_cached", "kv_free", "preemptions", "prefix_hit_tokens")  # fmt: skip
+               "kv_used", "kv_cached", "kv_free", "preemptions", "prefix_hit_tokens",
+               "drafts", "draft_tokens", "accepted_tokens")  # fmt: skip
+# The fields a trace written before speculative decoding lacks (readers count them 0).
+SPECULATION_FIELDS = ("drafts", "draft_tokens", "accepted_tokens")
 
 # Counter tracks: name -> the step args they plot.
 COUNTERS = {
@@ -26,6 +29,7 @@ COUNTERS = {
     "generated tokens": ("generated",),
     "prefix-cache hit tokens": ("prefix_hit_tokens",),
     "preemptions": ("preemptions",),
+    "speculative decoding": ("draft_tokens", "accepted_tokens"),
 }
 
 # KV snapshot states, one character per block.

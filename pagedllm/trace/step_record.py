@@ -51,4 +51,11 @@ class StepRecord:
     resolved_at: float = 0.0  # tokens read back and handed to the scheduler
     num_generated: int = 0  # sampled tokens that reached a live request (rows of requests ended meanwhile drop)
     events: StepEvents | None = None  # device timings, where the worker recorded them
+    # Speculative decoding ("" and zeros without it): what the proposal did (spec_decode/speculator.py's names),
+    # the sequences back-off held, the sequences that verified drafts, their drafts, and the drafts accepted.
+    speculation: str = ""
+    num_paused: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     detail: StepDetail | None = None  # per-request detail, only while a tracer asks for it (describe_step)

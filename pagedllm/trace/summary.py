@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedllm.trace.events import DEVICE_PHASES, HOST_PHASES
+from pagedllm.trace.events import DEVICE_PHASES, HOST_PHASES, SPECULATION_FIELDS
 from pagedllm.trace.reader import Trace
 
 PERCENTILES = (50, 90, 99, 100)
@@ -33,6 +33,10 @@ class Summary:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens found in the prefix cache at first admission
     request_ms: dict[str, list[float]]  # "queued" / "time to first token" / "latency" -> the PERCENTILES, in ms
+    # Speculative decoding (spec_decode/metrics.py's figures; 0 without it, and in traces from before it).
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -68,6 +72,7 @@ def summarize(trace: Trace) -> Summary:
         prompt_tokens=sum(info["prompt_tokens"] for info in requests),
         cached_tokens=sum(info["cached_tokens"] for info in requests),
         request_ms=request_ms,
+        **{name: sum(step.counts.get(name, 0) for step in steps) for name in SPECULATION_FIELDS},
     )
 
 
@@ -90,11 +95,24 @@ def format_summary(summary: Summary) -> str:
         f"prefix cache: {summary.cached_tokens} of {summary.prompt_tokens} prompt tokens hit "
         f"({100 * summary.prefix_hit_rate:.1f}%)",
         f"preemptions: {summary.preemptions}",
+        *speculation_lines(summary),
         "per request (ms)     " + "".join(f"{'max' if p == 100 else f'p{p}':>10}" for p in PERCENTILES),
     ]
     for name, values in summary.request_ms.items():
         lines.append(f"  {name:<19}" + ("".join(f"{value:10.1f}" for value in values) or "   (none)"))
     return "\n".join(lines)
+
+
+def speculation_lines(summary: Summary) -> list[str]:
+    """The acceptance rate (accepted / draft tokens) and the mean accepted length (tokens a verify step yields for a
+    sequence: its accepted drafts and one more), where drafts were verified."""
+    if not summary.drafts:
+        return []
+    rate, length = summary.accepted_tokens / summary.draft_tokens, 1 + summary.accepted_tokens / summary.drafts
+    return [
+        f"speculative decoding: {summary.draft_tokens} draft tokens in {summary.drafts} verifies, "
+        f"{summary.accepted_tokens} accepted ({100 * rate:.1f}%), mean accepted length {length:.2f}"
+    ]
 
 
 def phase_shares(phase_seconds: dict[str, float], names: tuple[str, ...], busy: float) -> str:

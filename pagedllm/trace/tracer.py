@@ -212,7 +212,8 @@ class Tracer:
             record.step_id, record.num_seqs, record.num_prefill_tokens, record.num_decode_tokens, record.num_sampled,
             record.num_generated, record.num_running, record.num_waiting, self.num_kv_blocks - record.num_free_blocks,
             detail.num_cached_blocks, record.num_free_blocks, record.num_preemptions,
-            sum(cached for _, cached in detail.admitted),
+            sum(cached for _, cached in detail.admitted), record.num_drafts, record.num_draft_tokens,
+            record.num_accepted_tokens,
         )  # fmt: skip
         self.steps.append(TracedStep(start, end, host_times, device_times, counts))
         if detail.kv_blocks is not None:

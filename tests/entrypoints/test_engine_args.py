@@ -71,6 +71,8 @@ def test_the_commands_take_the_same_engine_flags_as_before():
         (["serve", "--gpu-memory-utilization", "0.5", "--attention-backend", "torch"],
          dict(gpu_memory_utilization=0.5, attention_backend="torch")),
         (["bench", "--num-kv-blocks", "100", "--dtype", "float16"], dict(num_kv_blocks=100, dtype="float16")),
+        (["generate", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+         dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')),
     ],
 )  # fmt: skip
 def test_flags_parse_into_the_engine_config(args, expected):

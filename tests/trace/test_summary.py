@@ -81,3 +81,19 @@ def test_summary_needs_steps():
     empty = {"traceEvents": [], "otherData": {"format": "pagedllm-trace/1", "num_kv_blocks": 4}}
     with pytest.raises(ValueError, match="holds no steps"):
         summarize(parse_trace(empty))
+
+
+def test_speculative_decoding_figures_in_the_trace_and_its_summary(llama_dir, tmp_path):
+    """The n-gram drafts, their tokens and the accepted ones, per step in the trace and summed by trace-summary, as
+    the engine counted them (vLLM's names and figures: acceptance rate, mean accepted length)."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    run = traced_generate(llama_dir, tmp_path / "trace.json", passes=1, shortest=16, speculative_config=speculative)
+    stats = run.llm.llm_engine.spec_decode_stats
+    summary = summarize(load_trace(str(run.path)))
+    assert (summary.drafts, summary.draft_tokens, summary.accepted_tokens) == (
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+    )  # fmt: skip
+    assert stats.num_draft_tokens > 0 and stats.num_drafts == sum(record.num_drafts for record in run.records)
+    assert (f"speculative decoding: {stats.num_draft_tokens} draft tokens in {stats.num_drafts} verifies, "
+            f"{stats.num_accepted_tokens} accepted ({100 * stats.acceptance_rate:.1f}%), mean accepted length "
+            f"{stats.mean_accepted_length:.2f}") in format_summary(summary)  # fmt: skip

@@ -88,6 +88,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens found there
+    # Speculative decoding, cumulative (0 without it): sequences that verified drafts in a step, drafts, accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Rejected(msgspec.Struct, array_like=True):
@@ -263,6 +267,7 @@ class CoreLoop:
 
     def stats(self) -> EngineStats:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        speculation = self.engine.spec_decode_stats
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -270,6 +275,9 @@ class CoreLoop:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            spec_decode_num_drafts=speculation.num_drafts if speculation else 0,
+            spec_decode_num_draft_tokens=speculation.num_draft_tokens if speculation else 0,
+            spec_decode_num_accepted_tokens=speculation.num_accepted_tokens if speculation else 0,
         )
 
     def send(self, message: StepOutputs) -> None:

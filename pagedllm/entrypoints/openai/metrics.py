@@ -1,6 +1,6 @@
 """Prometheus metrics under vLLM's own names (`vllm:...`, labelled `model_name`), so vLLM's Grafana dashboard works
-unchanged: request and KV cache gauges, prefix-cache, preemption and token counters, and latency histograms (TTFT,
-inter-token, end-to-end, queue, prefill, decode)."""
+unchanged: request and KV cache gauges, prefix-cache, preemption, speculative-decoding and token counters, and
+latency histograms (TTFT, inter-token, end-to-end, queue, prefill, decode)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks freed, recomputed later).")
+        self.spec_decode_counters = {  # EngineStats field -> its counter, vLLM's names
+            "spec_decode_num_drafts": counter("spec_decode_num_drafts", "Speculative decoding: verify attempts."),
+            "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+            "spec_decode_num_accepted_tokens": counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+        }
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.prompt_tokens_cached = counter("prompt_tokens_cached", "Of those, tokens found in the prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -94,6 +99,8 @@ class ServerMetrics:
         self.num_preemptions.inc(stats.num_preemptions - (previous.num_preemptions if previous else 0))
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (previous.prefix_cache_queries if previous else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (previous.prefix_cache_hits if previous else 0))
+        for name, counter in self.spec_decode_counters.items():
+            counter.inc(getattr(stats, name) - (getattr(previous, name) if previous else 0))
         self.last_engine_stats = stats
 
     def record_tokens(self, tokens: TokenStats) -> None:

@@ -1,0 +1,68 @@
+"""Who speculates: a request whose drafts are seldom accepted stops for a while, and a large batch does not.
+
+A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. On the
+default model on CPU, a step of 1 + m tokens took (1 + c * m) decode steps' time (c measured by
+benchmarks/speculative.py --cost, benchmarks/NOTES.md): accepting a of m drafts saves a decode steps and costs c * m,
+so speculation pays when the acceptance rate a / m is above c: BREAK_EVEN_ACCEPTANCE. Over a window of a request's
+last verify steps, an acceptance rate below it pauses the request's speculation; so do WINDOW attempts in a row that
+proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
+synchronous). A pause lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps
+scheduled ahead without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries
+again with an empty window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.scheduler.sequence import Sequence
+
+WINDOW = 8  # verify steps whose acceptance is judged together (and attempts without a proposal before a pause)
+BREAK_EVEN_ACCEPTANCE = 0.25
+PAUSE_TOKENS = 16
+MAX_PAUSE_TOKENS = 512
+
+
+@dataclass(slots=True)
+class SpeculationState:
+    """One sample's record (Sequence.speculation)."""
+
+    window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (proposed, accepted)
+    attempts_without_drafts: int = 0
+    resume_at: int = 0  # the number of output tokens from which it may speculate again
+    num_pauses: int = 0
+
+
+def state_of(seq: Sequence) -> SpeculationState:
+    if seq.speculation is None:
+        seq.speculation = SpeculationState()
+    return seq.speculation
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """False while seq's speculation is paused."""
+    return seq.speculation is None or seq.num_output_tokens >= seq.speculation.resume_at
+
+
+def observe(seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+    """One attempt: num_proposed drafts (0: the proposer found none), num_accepted of them kept."""
+    state = state_of(seq)
+    if num_proposed == 0:
+        state.attempts_without_drafts += 1
+        if state.attempts_without_drafts >= WINDOW:
+            pause(seq, state)
+        return
+    state.attempts_without_drafts = 0
+    state.window.append((num_proposed, num_accepted))
+    if len(state.window) == WINDOW:
+        proposed = sum(p for p, _ in state.window)
+        if sum(a for _, a in state.window) < BREAK_EVEN_ACCEPTANCE * proposed:
+            pause(seq, state)
+
+
+def pause(seq: Sequence, state: SpeculationState) -> None:
+    state.resume_at = seq.num_output_tokens + min(PAUSE_TOKENS << state.num_pauses, MAX_PAUSE_TOKENS)
+    state.num_pauses += 1
+    state.window.clear()
+    state.attempts_without_drafts = 0
