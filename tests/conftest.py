@@ -148,12 +148,15 @@ def default_reference():
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
-    """`pagedllm serve` on the embedded default model (max_model_len 1024), its served name in .model; stopped at the
-    end of the session with SIGTERM, which it must meet with status 0, having logged no traceback."""
+    """`pagedllm serve` on the embedded default model (max_model_len 1024, weights dequantized), its served name in
+    .model; stopped at the end of the session with SIGTERM, which it must meet with status 0, having logged no
+    traceback."""
     import httpx
     from server_process import start_server, stop_server
 
-    running = start_server(None, tmp_path_factory.mktemp("default_server") / "server.log", "--max-model-len", "1024")
+    log = tmp_path_factory.mktemp("default_server") / "server.log"
+    # Dequantized: the tests that share it compare its logprobs with transformers' float32 model of the same file
+    running = start_server(None, log, "--max-model-len", "1024", "--quantization", "none")
     running.model = httpx.get(f"{running.base_url}/v1/models").json()["data"][0]["id"]
     yield running
     status = stop_server(running)

@@ -43,7 +43,7 @@ class DraftModel:
             trace_file=None, trace_kv_every=None, quantization=None,
         )  # fmt: skip
         try:
-            self.resolved = config.resolve(draft_spec, self.checkpoint.checkpoint_dtype, self.checkpoint.weights_fp8)
+            self.resolved = config.resolve(draft_spec, self.checkpoint.checkpoint_dtype, self.checkpoint.weights_format)
         except ValueError as error:
             raise ValueError(
                 f"speculative_config: the draft model {path!r} cannot run with the target: {error}"

@@ -65,7 +65,7 @@ def test_a_gguf_repository_with_one_gguf_file_loads_it(offline_cache):
     from pagedllm.loader.checkpoint import open_checkpoint
 
     place_gguf_repo(offline_cache, "org/smol-gguf", ["smol.Q4_1.gguf"])
-    checkpoint = open_checkpoint("org/smol-gguf", load_tokenizer=False, convert_gguf=False)
+    checkpoint = open_checkpoint("org/smol-gguf", load_tokenizer=False, write_cache=False)
     assert checkpoint.source.endswith(f"{REVISION}/smol.Q4_1.gguf")
     assert checkpoint.hf_config.num_hidden_layers == 30  # SmolLM2-135M, read from the GGUF's metadata
 
