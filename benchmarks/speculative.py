@@ -146,9 +146,10 @@ def compare(plain: LLM, speculating: LLM, prompts: list[dict], params: SamplingP
     return tallies
 
 
-def measure_cost(k: int, rounds: int = 8) -> None:
-    """Step time of 1 + m tokens for one sequence against a plain decode step (drafts always rejected, back-off
-    off): the median over 32 steps, each m once a round, interleaved; the fastest round's (the least disturbed)."""
+def measure_cost(k: int, batch: int = 1, rounds: int = 8) -> None:
+    """Step time of `batch` sequences of 1 + m tokens each against a plain decode step (drafts always rejected,
+    back-off off): the median over 32 steps, each m once a round, interleaved; the fastest round's (the least
+    disturbed)."""
     backoff.observe = lambda seq, num_proposed, num_accepted: None  # never pause: every step verifies m drafts
     engines = [LLM()] + [
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": m}) for m in range(1, k + 1)
@@ -156,17 +157,18 @@ def measure_cost(k: int, rounds: int = 8) -> None:
     for llm in engines[1:]:
         llm.llm_engine.speculator.ngram.propose = lambda token_ids, num_tokens: [0] * num_tokens  # never sampled
     message = [{"role": "user", "content": CONTEXT * 3}]
-    context = {"prompt_token_ids": engines[0].chat_prompt(message)["prompt_token_ids"]}
+    context = engines[0].chat_prompt(message)["prompt_token_ids"]
+    contexts = [{"prompt_token_ids": [index] + context} for index in range(batch)]  # no prefix shared
     params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
 
     def median_decode_step(llm: LLM) -> float:
         records = []
         llm.llm_engine.add_step_listener(records.append)
-        llm.generate([context], params, use_tqdm=False)
+        llm.generate(contexts, params, use_tqdm=False)
         llm.llm_engine.remove_step_listener(records.append)
         return statistics.median(r.resolved_at - r.scheduled_at for r in records if r.num_prefill_tokens == 0)
 
-    print(f"context {len(context['prompt_token_ids'])} tokens, load {os.getloadavg()[0]:.2f}")
+    print(f"{batch} sequence(s) of {len(context) + 1} tokens, load {os.getloadavg()[0]:.2f}")
     best = [float("inf")] * len(engines)
     for _ in range(rounds):
         for m, llm in enumerate(engines):
@@ -184,12 +186,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", type=int, nargs=2, default=[2, 5], help="prompt_lookup_min, prompt_lookup_max")
     parser.add_argument("--cost", action="store_true", help="measure a verify step's cost instead")
+    parser.add_argument("--batch", type=int, default=1, help="with --cost: sequences per step")
     parser.add_argument("--runs", nargs="+", default=["copy-heavy", "stories", "batch"],
                         help="which: copy-heavy and stories single-stream, batch (32 and 40)")  # fmt: skip
     parser.add_argument("--disable-by-batch-size", type=int, help="speculative_config's (default: its own)")
     args = parser.parse_args()
     if args.cost:
-        measure_cost(args.k)
+        measure_cost(args.k, args.batch)
         return
     started = time.perf_counter()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],

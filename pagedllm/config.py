@@ -155,20 +155,23 @@ class ResolvedConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's rule for n-gram lookup lengths: both unset, 5 and 5; one set, the other the same.
 DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's speculative_config, checked: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b} or {"method": "draft_model", "model": path, "num_speculative_tokens": k}; with either,
-    "disable_by_batch_size": n (a step with more running sequences than n speculates for none; None: never)."""
+    "disable_by_batch_size": n (a step with more running sequences than n speculates for none; null: never; unset:
+    DEFAULT_DISABLE_BY_BATCH_SIZE, where vLLM's is never: on CPU a draft at 8 sequences cost 0.4 decode steps, at one
+    0.05, spec_decode/backoff.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: the shortest suffix looked up in the sequence's earlier tokens
     prompt_lookup_max: int = 0  # ngram: the longest (tried first)
     model: str | None = None  # draft_model: its checkpoint, which shares the target's tokenizer
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, value: dict | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -206,7 +209,14 @@ class SpeculativeConfig:
         low, high = low or high or DEFAULT_PROMPT_LOOKUP, high or low or DEFAULT_PROMPT_LOOKUP
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}")
-        return cls("ngram", value["num_speculative_tokens"], low, high, None, value.get("disable_by_batch_size"))
+        return cls(
+            "ngram",
+            value["num_speculative_tokens"],
+            low,
+            high,
+            None,
+            value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE),
+        )
 
     @classmethod
     def draft_model(cls, value: dict) -> SpeculativeConfig:
@@ -216,7 +226,12 @@ class SpeculativeConfig:
         if value.get("prompt_lookup_min") is not None or value.get("prompt_lookup_max") is not None:
             raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram', not 'draft_model'")
         k = value["num_speculative_tokens"]
-        return cls("draft_model", k, model=os.fspath(model), disable_by_batch_size=value.get("disable_by_batch_size"))
+        return cls(
+            "draft_model",
+            k,
+            model=os.fspath(model),
+            disable_by_batch_size=value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE),
+        )
 
     def check_engine(self, config: EngineConfig) -> None:
         """What the engine cannot speculate with yet: a ValueError saying what to change."""

@@ -203,3 +203,16 @@ def test_a_draft_model_is_refused_where_it_cannot_run_yet():
         draft.check_engine(types.SimpleNamespace(tensor_parallel_size=2, device=torch.device("cpu")))
     with pytest.raises(ValueError, match="CPU only"):
         draft.check_engine(types.SimpleNamespace(tensor_parallel_size=1, device=torch.device("cuda")))
+
+
+def test_disable_by_batch_size_defaults_to_a_small_batch_and_null_means_never():
+    parse = config_module.SpeculativeConfig.parse
+    assert parse({"method": "ngram", "num_speculative_tokens": 2}).disable_by_batch_size == 8
+    assert (
+        parse({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}).disable_by_batch_size
+        is None
+    )
+    assert (
+        parse('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 32}').disable_by_batch_size
+        == 32
+    )

@@ -1,14 +1,16 @@
 """Who speculates: a request whose drafts are seldom accepted stops for a while, and a large batch does not.
 
 A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. On the
-default model on CPU, a step of 1 + m tokens took (1 + c * m) decode steps' time (c measured by
-benchmarks/speculative.py --cost, benchmarks/NOTES.md): accepting a of m drafts saves a decode steps and costs c * m,
-so speculation pays when the acceptance rate a / m is above c: BREAK_EVEN_ACCEPTANCE. Over a window of a request's
-last verify steps, an acceptance rate below it pauses the request's speculation; so do WINDOW attempts in a row that
-proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
+default model on CPU, one sequence, a step of 1 + m tokens took 1 + VERIFY_COST + DRAFT_COST * m decode steps' time
+(a least-squares line through m = 1..8 of `python benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md):
+the extra rows turn the projections' matrix-vector products into matrix products. Accepting a of m drafts saves a
+decode steps, so a verify pays when a > VERIFY_COST + DRAFT_COST * m. Over a window of a request's last WINDOW
+verify steps, fewer accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row
+that proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
 synchronous). A pause lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps
 scheduled ahead without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries
-again with an empty window.
+again with an empty window. Larger batches cost more per draft (at 8 sequences a draft cost 0.4 decode steps): above
+SpeculativeConfig.disable_by_batch_size running sequences none speculates.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 from pagedllm.scheduler.sequence import Sequence
 
 WINDOW = 8  # verify steps whose acceptance is judged together (and attempts without a proposal before a pause)
-BREAK_EVEN_ACCEPTANCE = 0.25
+VERIFY_COST = 0.55  # decode steps a verify step costs beyond its own, whatever its drafts
+DRAFT_COST = 0.05  # and per draft
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 512
 
@@ -55,10 +58,13 @@ def observe(seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         return
     state.attempts_without_drafts = 0
     state.window.append((num_proposed, num_accepted))
-    if len(state.window) == WINDOW:
-        proposed = sum(p for p, _ in state.window)
-        if sum(a for _, a in state.window) < BREAK_EVEN_ACCEPTANCE * proposed:
-            pause(seq, state)
+    if len(state.window) == WINDOW and sum(a for _, a in state.window) < break_even(state.window):
+        pause(seq, state)
+
+
+def break_even(window: deque[tuple[int, int]]) -> float:
+    """The accepted drafts that pay for the window's verify steps."""
+    return sum(VERIFY_COST + DRAFT_COST * proposed for proposed, _ in window)
 
 
 def pause(seq: Sequence, state: SpeculationState) -> None:

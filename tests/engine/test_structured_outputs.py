@@ -170,8 +170,8 @@ def test_the_mask_leaves_finite_exactly_the_tokens_the_matcher_allows(llama_dir,
     steps = []  # (logits after the sampler, the masked rows) of each step that had a mask
     sample_tokens = sampler_module.sample_tokens
 
-    def recording(logits, params, penalty_state, kernels, mask, *rest):
-        output = sample_tokens(logits, params, penalty_state, kernels, mask, *rest)
+    def recording(logits, params, penalty_state, kernels, mask, generator_states=None):
+        output = sample_tokens(logits, params, penalty_state, kernels, mask, generator_states)
         if mask is not None:
             steps.append((logits.clone(), mask.rows.tolist()))  # float32 logits are masked in place
         return output

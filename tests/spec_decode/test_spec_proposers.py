@@ -69,12 +69,16 @@ def test_low_acceptance_over_a_window_pauses_a_request_longer_each_time():
     assert backoff.may_speculate(seq)
 
 
-def test_acceptance_at_break_even_keeps_speculating():
-    seq = sequence(0)
-    accepted = int(4 * backoff.BREAK_EVEN_ACCEPTANCE + 0.999)
+@pytest.mark.parametrize("num_drafts", [1, 4, 8])
+def test_accepting_what_pays_for_the_verify_steps_keeps_speculating(num_drafts):
+    """A verify of m drafts costs VERIFY_COST + DRAFT_COST * m decode steps: one accepted draft each pays for it
+    (the costs are below 1), none does not."""
+    assert backoff.VERIFY_COST + backoff.DRAFT_COST * num_drafts < 1
+    paying, losing = sequence(0), sequence(0)
     for _ in range(3 * backoff.WINDOW):
-        backoff.observe(seq, 4, accepted)
-    assert backoff.may_speculate(seq)
+        backoff.observe(paying, num_drafts, 1)
+        backoff.observe(losing, num_drafts, 0)
+    assert backoff.may_speculate(paying) and not backoff.may_speculate(losing)
 
 
 def test_attempts_without_drafts_pause_too():
