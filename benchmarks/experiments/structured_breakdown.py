@@ -9,31 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import structured_cost  # noqa: E402
+from timers import TIMES, timed  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
 from pagedllm.engine.engine import LLMEngine  # noqa: E402
 from pagedllm.engine.grammars import SampleGrammar  # noqa: E402
-
-TIMES: dict[str, float] = defaultdict(float)
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            TIMES[name] += time.perf_counter() - started
-
-    return wrapper
 
 
 def main() -> None:
@@ -58,9 +44,9 @@ def main() -> None:
                 TIMES.clear()
                 step = structured_cost.decode_step_ms(llm, args.batch, constrained, args.output_len)
                 if best is None or step < best[0]:
-                    best = (step, dict(TIMES))
+                    best = (step, {name: list(values) for name, values in TIMES.items()})
             step, times = best
-            per_step = {name: 1000 * value / args.output_len for name, value in times.items()}
+            per_step = {name: 1000 * sum(values) / args.output_len for name, values in times.items()}
             parts = "  ".join(f"{name} {value:5.2f} ms/step" for name, value in per_step.items())
             print(f"async {async_scheduling!s:5} {label:12} step {step:6.2f} ms  {parts}", flush=True)
         llm.shutdown()
