@@ -32,7 +32,12 @@ class LinearMethod:
         """Called once every tensor of the layer is loaded (a quantized method converts the weight here)."""
 
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN's linear runs on this CPU: bfloat16 needs AVX-512 (or AMX); without it oneDNN has no
+    bfloat16 inner product, and such weights stay with F.linear."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -45,6 +50,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, skinny_gemm: bool = False, onednn: bool = False):
         self.skinny_gemm = None
         self.onednn = onednn
+        self.onednn_dtypes = onednn_dtypes() if onednn else ()
         if skinny_gemm:
             from pagedllm.kernels import skinny_gemm as kernel  # imports Triton: only where the choices take it
 
@@ -61,13 +67,13 @@ class UnquantizedLinearMethod(LinearMethod):
         return self.product(x, layer.weight, bias)
 
     def finish_loading(self, layer: nn.Module) -> None:
-        if self.onednn and layer.weight.dtype in ONEDNN_DTYPES:
+        if layer.weight.dtype in self.onednn_dtypes:
             reordered = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data)
             layer.weight = nn.Parameter(reordered, requires_grad=False)
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):
             return self.skinny_gemm.skinny_linear(x, weight, bias)
-        if self.onednn and weight.dtype in ONEDNN_DTYPES and x.dtype == weight.dtype:  # reordered, or for this call
+        if weight.dtype in self.onednn_dtypes and x.dtype == weight.dtype:  # reordered, or for this call
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
