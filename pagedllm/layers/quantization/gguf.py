@@ -15,6 +15,7 @@ does not change with batch composition, chunking or prefix caching; a float GEMM
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import gguf
@@ -279,14 +280,31 @@ def describe_formats(model: nn.Module) -> str:
     return line
 
 
-def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Values uint8 [len(rows), C] of some rows of the kernel's packing ([N', C / 2] bytes): each ROW_BLOCK rows
-    are stored as [C, 32] bytes, row r's value in the low nibble, row r + 32's in the high one (torch 2.13's
-    layout; GGUFVocabMethod checks it against the values it packed and keeps float weights if it differs)."""
-    tiles = packed.view(packed.shape[0] // ROW_BLOCK, packed.shape[1] * 2, ROW_BLOCK // 2)
-    lane = rows % ROW_BLOCK
-    picked = tiles[rows // ROW_BLOCK, :, lane % (ROW_BLOCK // 2)]  # [len(rows), C]
-    return (picked >> (4 * (lane >= ROW_BLOCK // 2)).to(torch.uint8)[:, None]) & 15
+def packed_rows(packed: torch.Tensor, rows: torch.Tensor, tile_rows: int | None = None) -> torch.Tensor:
+    """Values uint8 [len(rows), C] of some rows of the kernel's packing ([N', C / 2] bytes): each tile of B rows
+    (B = packing_tile_rows() unless given) is stored as [C, B / 2] bytes, row r's value in the low nibble, row
+    r + B / 2's in the high one (torch 2.13's layout; GGUFVocabMethod checks it against the values it packed and
+    keeps float weights if it differs)."""
+    tile_rows = tile_rows or packing_tile_rows()
+    tiles = packed.view(packed.shape[0] // tile_rows, packed.shape[1] * 2, tile_rows // 2)
+    lane = rows % tile_rows
+    picked = tiles[rows // tile_rows, :, lane % (tile_rows // 2)]  # [len(rows), C]
+    return (picked >> (4 * (lane >= tile_rows // 2)).to(torch.uint8)[:, None]) & 15
+
+
+@functools.cache
+def packing_tile_rows() -> int:
+    """Rows per tile of torch's int4 packing on this CPU: 64 with AVX-512, 32 with AVX2 (found by packing a probe
+    whose first column tells the rows of a tile apart); both divide ROW_BLOCK."""
+    probe = torch.zeros(ROW_BLOCK * 2, GROUP, dtype=torch.int32)
+    probe[:, 0] = torch.arange(ROW_BLOCK * 2) % 16
+    probe[:, 1] = torch.arange(ROW_BLOCK * 2) // 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    rows = torch.arange(len(probe))
+    for tile_rows in (ROW_BLOCK, ROW_BLOCK // 2):
+        if torch.equal(packed_rows(packed, rows, tile_rows), probe.to(torch.uint8)):
+            return tile_rows
+    return ROW_BLOCK  # an unknown layout: GGUFVocabMethod's check then keeps the float weights
 
 
 class GGUFVocabMethod:
