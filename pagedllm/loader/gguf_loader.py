@@ -121,13 +121,16 @@ def converted_copy(path: Path, write: bool) -> Path | None:
     return entry if entry.is_dir() else None
 
 
-def build_tokenizer(path: Path, write_cache: bool) -> PreTrainedTokenizerBase:
-    """The file's tokenizer, from its cached copy (transformers' conversion took ~5-13 s for SmolLM2's here); without
-    one, converted now, and cached with `write_cache`."""
+def build_tokenizer(
+    path: Path, write_cache: bool, reader: gguf.GGUFReader | None = None
+) -> PreTrainedTokenizerBase:
+    """The file's tokenizer, from its cached copy (transformers' conversion took ~5-13 s for SmolLM2's here, most of
+    it reading the file's vocabulary again); without one, converted now, and cached with `write_cache`. reader: the
+    file already open, if it is."""
     entry = default_cache_dir() / _cache_key(path, "tokenizer")
     if entry.is_dir():
         return AutoTokenizer.from_pretrained(entry)
-    tokenizer = _build_tokenizer(_open_reader(path), path)
+    tokenizer = _build_tokenizer(reader or _open_reader(path), path)
     if write_cache:
         _write_entry(entry, tokenizer.save_pretrained)
     return tokenizer
@@ -139,7 +142,7 @@ def _convert(path: Path, dtype: torch.dtype) -> GGUFCheckpoint:
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _build_config(reader, architecture, tensor_names, path)
     tensors = _read_tensors(reader, config, architecture, dtype, path)
-    tokenizer = _build_tokenizer(reader, path)
+    tokenizer = build_tokenizer(path, write_cache=False, reader=reader)
     return GGUFCheckpoint(config, tensors, tokenizer)
 
 

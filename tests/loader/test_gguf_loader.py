@@ -89,8 +89,8 @@ def checkpoint(request):
 
 
 @pytest.fixture(scope="module")
-def reference_model(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+def reference_model(default_reference):
+    return default_reference  # transformers' float32 model of the same file (tests/conftest.py), loaded once a session
 
 
 @pytest.fixture(scope="module")
