@@ -45,7 +45,24 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "mm_processor_kwargs": unsupported("the input is text only"),
     "enable_response_messages": unsupported("the output is items only, never raw messages"),
     "previous_input_messages": unsupported(STATELESS),
+    # The chat and completions names of what a response takes otherwise, or not at all
+    "messages": unsupported("a response's conversation is its input (and instructions)"),
+    "max_tokens": unsupported("use max_output_tokens"),
+    "max_completion_tokens": unsupported("use max_output_tokens"),
+    "response_format": unsupported("use text.format"),
+    "structured_outputs": unsupported("use text.format"),
+    "n": unsupported("a response has one output; send one request per sample", (None, 1)),
+    "logprobs": unsupported("logprobs are not returned by /v1/responses", (None, False, 0)),
+    "prompt_logprobs": unsupported("logprobs are not returned by /v1/responses", (None, 0)),
+    "echo": unsupported("a response never repeats its input", (None, False)),
+    "best_of": unsupported("a response has one output", (None, 1)),
+    "suffix": unsupported("there is no insertion mode; the input is the whole prompt"),
 }
+# vLLM's sampling extras a response takes as chat does (serving_responses.chat_request hands them on)
+SAMPLING_EXTRAS = (
+    "frequency_penalty", "presence_penalty", "seed", "stop", "min_p", "repetition_penalty", "min_tokens",
+    "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+)  # fmt: skip
 
 
 class ReasoningConfig(OpenAIBaseModel):
@@ -104,6 +121,16 @@ class ResponsesRequest(RequestModel):
     top_k: int | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    frequency_penalty: float | None = None  # SAMPLING_EXTRAS: None leaves chat's default
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
 
     def check_supported(self) -> None:
         for name, (why, neutral) in self.unsupported_fields.items():

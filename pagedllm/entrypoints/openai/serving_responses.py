@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
     InvalidRequestError,
 )
 from pagedllm.entrypoints.openai.responses_protocol import (
+    SAMPLING_EXTRAS,
     STATELESS,
     FunctionCallItem,
     IncompleteDetails,
@@ -70,6 +71,7 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         top_k=request.top_k,
         logit_bias=request.logit_bias,
         skip_special_tokens=request.skip_special_tokens,
+        **{name: getattr(request, name) for name in SAMPLING_EXTRAS},
     )
     try:
         return ChatCompletionRequest.model_validate(

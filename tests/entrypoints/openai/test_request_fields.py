@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (  # noqa: E402
     CompletionRequest,
     InvalidRequestError,
 )
-from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest  # noqa: E402
+from pagedllm.entrypoints.openai.responses_protocol import SAMPLING_EXTRAS, ResponsesRequest  # noqa: E402
 from pagedllm.entrypoints.openai.serving import OpenAIServing  # noqa: E402
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, chat_request  # noqa: E402
 
@@ -110,6 +110,7 @@ IMPLEMENTED = {
         "logit_bias": RESPONSES_TEST,
         "skip_special_tokens": RESPONSES_TEST,
         "chat_template_kwargs": RESPONSES_TEST,
+        **{name: RESPONSES_TEST for name in SAMPLING_EXTRAS},
     },
 }
 # Fields accepted that, by what they mean, change nothing in the output here; each with the reason.
@@ -447,12 +448,17 @@ def test_chat_fields_reach_the_chat_template(app_server):
 
 def test_responses_fields_reach_the_chat_request():
     """/v1/responses runs as a chat request: each field it hands on arrives as the chat request's own (whose effect
-    the chat tests show), the sampling ones in SamplingParams."""
+    the chat tests show), the sampling ones in SamplingParams; vLLM's sampling extras too."""
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    extras = dict(
+        frequency_penalty=0.5, presence_penalty=0.25, seed=11, stop=["END"], min_p=0.05, repetition_penalty=1.2,
+        min_tokens=2, ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True,
+    )  # fmt: skip
+    assert set(extras) == set(SAMPLING_EXTRAS)
     request = ResponsesRequest(
         input="x", instructions="Be brief.", tools=[tool], tool_choice={"type": "function", "name": "f"},
         parallel_tool_calls=False, max_output_tokens=7, temperature=0.7, top_p=0.9, top_k=5, logit_bias={"7": 3.0},
-        skip_special_tokens=False, chat_template_kwargs={"enable_thinking": False},
+        skip_special_tokens=False, chat_template_kwargs={"enable_thinking": False}, **extras,
     )  # fmt: skip
     chat = chat_request(request)
     assert [(message.role, message.content) for message in chat.messages] == [("system", "Be brief."), ("user", "x")]
@@ -462,6 +468,38 @@ def test_responses_fields_reach_the_chat_request():
     params = chat.to_sampling_params(max_tokens=7, logprobs=None, prompt_logprobs=None)
     sampling = (params.temperature, params.top_p, params.top_k, params.logit_bias, params.skip_special_tokens)
     assert sampling == (0.7, 0.9, 5, {7: 3.0}, False)
+    assert {name: getattr(params, name) for name in extras} == extras
+    # Unset, they leave chat's defaults
+    unset = chat_request(ResponsesRequest(input="x")).to_sampling_params(
+        max_tokens=7, logprobs=None, prompt_logprobs=None
+    )
+    assert (unset.seed, unset.stop, unset.min_tokens, unset.ignore_eos, unset.frequency_penalty) == (
+        None,
+        [],
+        0,
+        False,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("max_tokens", 5, "use max_output_tokens"),
+        ("max_completion_tokens", 5, "use max_output_tokens"),
+        ("messages", USER, "its input"),
+        ("response_format", {"type": "json_object"}, "use text.format"),
+        ("structured_outputs", {"regex": "a+"}, "use text.format"),
+        ("n", 2, "one output"),
+        ("logprobs", True, "not returned"),
+        ("echo", True, "never repeats"),
+    ],
+)
+def test_chat_and_completions_fields_sent_to_responses_are_400s(app_server, field, value, fragment):
+    """A field of the other endpoints that /v1/responses would otherwise ignore: a 400 naming it and what to send."""
+    llm, _, http = app_server
+    assert_400(post(http, "responses", {field: value}), field, fragment)
+    assert_nothing_left(llm)
 
 
 def test_responses_model_metadata_and_user(app_server):
@@ -545,8 +583,9 @@ def test_every_other_field_is_a_400_naming_it(app_server, endpoint):
 def test_fields_without_effect_are_accepted_and_change_nothing(app_server, endpoint):
     _, _, http = app_server
     examples = {name: NO_EFFECT_EXAMPLES[name] for name in NO_EFFECT[endpoint]}
-    plain = post(http, endpoint, dict(temperature=0, max_tokens=6))
-    with_them = post(http, endpoint, dict(temperature=0, max_tokens=6) | examples)
+    length = {"max_output_tokens" if endpoint == "responses" else "max_tokens": 6}
+    plain = post(http, endpoint, dict(temperature=0, **length))
+    with_them = post(http, endpoint, dict(temperature=0, **length) | examples)
     assert plain.status_code == with_them.status_code == 200, with_them.text
     assert reply_text(endpoint, plain.json()) == reply_text(endpoint, with_them.json())
 
