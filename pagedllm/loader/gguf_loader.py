@@ -121,9 +121,7 @@ def converted_copy(path: Path, write: bool) -> Path | None:
     return entry if entry.is_dir() else None
 
 
-def build_tokenizer(
-    path: Path, write_cache: bool, reader: gguf.GGUFReader | None = None
-) -> PreTrainedTokenizerBase:
+def build_tokenizer(path: Path, write_cache: bool, reader: gguf.GGUFReader | None = None) -> PreTrainedTokenizerBase:
     """The file's tokenizer, from its cached copy (transformers' conversion took ~5-13 s for SmolLM2's here, most of
     it reading the file's vocabulary again); without one, converted now, and cached with `write_cache`. reader: the
     file already open, if it is."""
