@@ -55,6 +55,9 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
+NORMALIZER_MARGIN = 4  # a normalizer may fold characters into fewer (NFC composes "e" + U+0301 into one)
+
+
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve: answered as a 404."""
 
@@ -125,6 +128,10 @@ class OpenAIServing:
         self.model_root = model_root
         self.tokenizer = llm.tokenizer
         self.parsers = parsers or ServerParsers()  # --tool-call-parser, --reasoning-parser
+        # The most characters one token can stand for, times a margin for normalizers that fold several characters
+        # into one: a text longer than this x max_model_len cannot fit, whatever it says (0: no tokenizer, no bound).
+        longest = max(map(len, self.tokenizer.get_vocab()), default=0) if self.tokenizer is not None else 0
+        self.chars_per_token_bound = NORMALIZER_MARGIN * longest
 
     # --- shared -----------------------------------------------------------------------------------------------
 
@@ -141,6 +148,18 @@ class OpenAIServing:
         """GET /v1/models/{model}: this server's one model, or a 404 for any other name."""
         self.check_model(model)
         return ModelCard(id=self.served_model_name, root=self.model_root, max_model_len=self.llm.max_model_len)
+
+    def refuse_unread_if_too_long(self, num_chars: int, param: str) -> None:
+        """A text of num_chars characters has at least num_chars / chars_per_token_bound tokens: when even that
+        exceeds max_model_len it is refused before it is tokenized (megabytes of text would hold the tokenizer, and
+        the GIL with it, for seconds while the other streams wait)."""
+        limit, bound = self.llm.max_model_len, self.chars_per_token_bound
+        if bound and num_chars > bound * limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but the prompt's {num_chars} characters "
+                f"are at least {num_chars // bound} tokens. Please shorten the prompt.",
+                param,
+            )
 
     def check_length(self, prompt: PromptInput, max_tokens: int | None) -> int:
         """The request's max_tokens (None: all the room left); 400 when prompt + max_tokens exceed max_model_len."""
@@ -222,6 +241,9 @@ class OpenAIServing:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if all(isinstance(token, int) for token in prompt):
             prompt = [prompt]
+        for item in prompt:
+            if isinstance(item, str):
+                self.refuse_unread_if_too_long(len(item), "prompt")
         inputs = []
         for item in prompt:
             try:
@@ -441,6 +463,7 @@ class OpenAIServing:
         request.check_supported()
         plan = plan_chat(request, self.parsers)
         check_template_kwargs(request.chat_template_kwargs or {})  # before the tools join them
+        self.refuse_unread_if_too_long(sum(map(text_chars, request.messages)), "messages")
         prompt = await asyncio.to_thread(  # the template and the tokenizer: seconds for megabytes of text
             self.chat_prompt,
             request.messages,
@@ -642,3 +665,11 @@ def chat_finish_reason(finish_reason: str | None, made_tool_calls: bool) -> str 
 
 def stream_error(error: Exception) -> str:
     return ErrorResponse(error=ErrorInfo(message=str(error), type="server_error", code=500)).model_dump_json()
+
+
+def text_chars(message) -> int:
+    """The characters of a chat message's text (its content, or its content parts' text)."""
+    content = message.content
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text or "") for part in content or ())

@@ -595,3 +595,27 @@ def reply_text(endpoint: str, body: dict) -> str:
         return "".join(part["text"] for item in body["output"] for part in item["content"])
     choice = body["choices"][0]
     return choice["message"]["content"] if endpoint == "chat" else choice["text"]
+
+
+def test_a_prompt_too_long_to_fit_by_its_length_alone_is_refused_unread(app_server):
+    """Completions and chat: a text longer than chars_per_token_bound x max_model_len characters is a 400 before the
+    tokenizer or the template sees it; the bound holds (no text has fewer tokens than it allows), so a prompt that
+    might fit is still tokenized and checked as before."""
+    llm, _, http = app_server
+    serving = OpenAIServing(llm, MODEL, "")
+    bound = serving.chars_per_token_bound
+    longest = max(llm.tokenizer.get_vocab(), key=len)
+    text = llm.tokenizer.convert_tokens_to_string([longest]) * 50
+    assert len(llm.tokenizer(text).input_ids) >= len(text) / bound
+    huge = "fox " * (bound * llm.max_model_len // 4 + 1)
+    for endpoint, fields, param in (
+        ("completions", dict(prompt=huge), "prompt"),
+        ("completions", dict(prompt=["Hi", huge]), "prompt"),
+        ("chat", dict(messages=[{"role": "user", "content": [{"type": "text", "text": huge}]}]), "messages"),
+    ):
+        assert_400(post(http, endpoint, fields), param, f"the prompt's {len(huge)} characters are at least")
+    serving.tokenizer = recording = RecordingTokenizer(llm.tokenizer)
+    with pytest.raises(InvalidRequestError, match="characters are at least"):
+        asyncio.run(serving.start_chat(ChatCompletionRequest(messages=[{"role": "user", "content": huge}]), "r"))
+    assert recording.calls == []  # refused unread
+    assert_nothing_left(llm)

@@ -535,8 +535,9 @@ def test_chat_logprobs_leave_out_the_stop_token(client, stream_client, server, o
 
 def test_a_large_request_does_not_stall_other_streams(server, client, stream_client):
     """While a request over --max-request-bytes (20 MB) is refused with a 413, and a large prompt under it is
-    tokenized (in a worker thread) and then refused for its length, a small stream goes on: no gap between its
-    chunks comes near the time the large prompt took. (On the event loop the stream stalled for all of it.)"""
+    refused for its length (unread: its characters alone cannot fit; a shorter one is tokenized in a worker thread,
+    test_request_fields.py), a small stream goes on: no gap between its chunks comes near the time the large prompt
+    took. (Tokenized on the event loop, the stream stalled for all of it.)"""
     gaps: list[tuple[float, float]] = []  # (previous chunk, this chunk) of the small streams
     done = threading.Event()
 
