@@ -19,20 +19,24 @@ from paged_batch import Step, bitwise_equal, check_step, make_batch, run_kernels
 from rotary_case import rotate_case
 
 PREFILL_TILES = {"block_m": 16, "block_n": 16}
+# A program costs the interpreter ~20 ms here (a KV tile ~9 ms more, a token stored to fp8 ~30 ms), so each step is
+# the smallest that keeps its paths: a prefill step keeps a sequence of several query tiles with a partial last one,
+# and keys both in full tiles (the unmasked loop) and in the causal tile; decode steps keep their splits' shapes
+# (several tiles to a split, a short last split, empty splits, padding rows).
 STEPS = {
-    "fresh_prefill": Step((37, 5, 16, 1), (37, 5, 16, 1), kernel_args=PREFILL_TILES),
-    "fresh_prefill_fp16_group1": Step((21, 40), (21, 40), 2, 2, dtype="float16", kernel_args=PREFILL_TILES),
-    "prefix_hit": Step((9, 3, 17), (41, 35, 49), 8, 2, block_size=32, kernel_args=PREFILL_TILES),
-    "chunked_prefill": Step((24, 24), (44, 24), 4, 1, kernel_args={"block_m": 32, "block_n": 32}),
-    "mixed_batch_fp16": Step((1, 19, 1, 30), (50, 19, 7, 45), dtype="float16", kernel_args=PREFILL_TILES),
-    "mixed_batch_group3": Step((1, 12, 26), (33, 12, 40), 6, 2, block_size=32, kernel_args=PREFILL_TILES),
+    "fresh_prefill": Step((19, 8, 1), (19, 8, 1), kernel_args=PREFILL_TILES),
+    "fresh_prefill_fp16_group1": Step((7, 20), (7, 20), 2, 2, dtype="float16", kernel_args=PREFILL_TILES),
+    "prefix_hit": Step((5, 9), (37, 41), 8, 2, block_size=32, kernel_args=PREFILL_TILES),
+    "chunked_prefill": Step((12, 12), (40, 12), 4, 1, kernel_args={"block_m": 32, "block_n": 32}),
+    "mixed_batch_fp16": Step((1, 11, 1, 12), (40, 11, 7, 27), dtype="float16", kernel_args=PREFILL_TILES),
+    "mixed_batch_group3": Step((1, 7, 11), (33, 7, 25), 6, 2, block_size=32, kernel_args=PREFILL_TILES),
     "mixed_batch_head_dim128": Step((2, 13), (20, 29), 4, 1, head_dim=128, kernel_args=PREFILL_TILES),
     "mixed_batch_head_dim80": Step((3, 14), (30, 14), 4, 2, head_dim=80, kernel_args=PREFILL_TILES),
     "mixed_batch_head_dim96_fp16": Step((1, 17), (21, 40), 4, 1, 96, dtype="float16", kernel_args=PREFILL_TILES),
     "skipped_slots": Step((12, 9), (30, 9), skip_slots=(0, 5, 13), kernel_args=PREFILL_TILES),
-    "prefill_backend_defaults": Step((70, 3), (70, 45), 8, 2, dtype="float16", through_backend=True),
-    "decode_one_split": Step((1,) * 4, (37, 1, 64, 0), kernel_args={"num_splits": 1, "block_n": 16}),
-    "decode_splits_group4": Step((1,) * 5, (0, 90, 17, 33, 0), 8, 2, kernel_args={"num_splits": 3, "block_n": 16}),
+    "prefill_backend_defaults": Step((20, 3), (70, 45), 8, 2, dtype="float16", through_backend=True),
+    "decode_one_split": Step((1,) * 4, (21, 1, 32, 0), kernel_args={"num_splits": 1, "block_n": 16}),
+    "decode_splits_group4": Step((1,) * 4, (0, 70, 17, 33), 8, 2, kernel_args={"num_splits": 3, "block_n": 16}),
     "decode_fp16_block32": Step((1,) * 3, (70, 5, 40), 2, 1, 64, 32, "float16", kernel_args={"num_splits": 4}),
     "decode_head_dim80_splits": Step((1,) * 3, (40, 0, 23), 4, 2, 80, kernel_args={"num_splits": 2, "block_n": 16}),
     "decode_head_dim96": Step((1,) * 2, (33, 9), 2, 1, 96, kernel_args={"num_splits": 1, "block_n": 16}),
@@ -40,15 +44,15 @@ STEPS = {
     "decode_backend_defaults": Step((1,) * 3, (129, 0, 64), 8, 4, dtype="float16", through_backend=True),
     "decode_skipped_slot": Step((1,) * 3, (20, 33, 0), skip_slots=(2,), kernel_args={"num_splits": 2}),
     # fp8 cache: the kernels quantize on store and attend over the upcast values
-    "fp8_mixed_batch": Step((1, 19, 9), (50, 19, 30), kv_cache_dtype="fp8", skip_slots=(4,), kernel_args=PREFILL_TILES),
-    "fp8_prefix_hit_head_dim80_fp16": Step((9, 3), (41, 35), 4, 1, 80, 32, "float16", "fp8", kernel_args=PREFILL_TILES),
-    "fp8_decode_splits": Step((1,) * 4, (0, 70, 17, 33), 8, 2, kv_cache_dtype="fp8", kernel_args={"num_splits": 3}),
+    "fp8_mixed_batch": Step((1, 9, 5), (40, 9, 20), kv_cache_dtype="fp8", skip_slots=(4,), kernel_args=PREFILL_TILES),
+    "fp8_prefix_hit_head_dim80_fp16": Step((5, 3), (37, 35), 4, 1, 80, 32, "float16", "fp8", kernel_args=PREFILL_TILES),
+    "fp8_decode_splits": Step((1,) * 3, (0, 70, 17), 8, 2, kv_cache_dtype="fp8", kernel_args={"num_splits": 3}),
     "fp8_decode_head_dim96": Step((1,) * 2, (45, 3), 2, 1, 96, kv_cache_dtype="fp8", kernel_args={"block_n": 16}),
     "fp8_prefill_backend_defaults": Step(
-        (40, 3), (40, 30), 8, 2, dtype="float16", kv_cache_dtype="fp8", through_backend=True
+        (17, 3), (70, 30), 8, 2, dtype="float16", kv_cache_dtype="fp8", through_backend=True
     ),
     # fp8 cache, both dots in float16 (fp8_via_f16): head_dim 64/80/128, GQA groups 1 to 4, tile widths 16 to 256
-    "fp8_via_f16_decode_group1_head_dim64": Step((1,) * 3, (70, 0, 33), 2, 2, 64, kv_cache_dtype="fp8",
+    "fp8_via_f16_decode_group1_head_dim64": Step((1,) * 3, (40, 0, 17), 2, 2, 64, kv_cache_dtype="fp8",
                                                  kernel_args={"fp8_via_f16": True, "num_splits": 2, "block_n": 16}),
     "fp8_via_f16_decode_group2_head_dim128": Step((1,) * 4, (0, 90, 17, 33), 4, 2, 128, kv_cache_dtype="fp8",
                                                   kernel_args={"fp8_via_f16": True, "block_n": 32}),
@@ -56,20 +60,20 @@ STEPS = {
                                                  kernel_args={"fp8_via_f16": True, "num_splits": 3, "block_n": 16}),
     "fp8_via_f16_decode_block_n256": Step((1,) * 2, (300, 45), 4, 2, 128, kv_cache_dtype="fp8",
                                           kernel_args={"fp8_via_f16": True, "num_splits": 1, "block_n": 256}),
-    "fp8_via_f16_prefill_head_dim80_group2": Step((1, 19, 9), (50, 19, 30), 4, 2, 80, kv_cache_dtype="fp8",
+    "fp8_via_f16_prefill_head_dim80_group2": Step((1, 9, 5), (40, 9, 20), 4, 2, 80, kv_cache_dtype="fp8",
                                                   kernel_args={**PREFILL_TILES, "fp8_via_f16": True}),
-    "fp8_via_f16_prefill_head_dim64_group1": Step((9, 3), (41, 35), 2, 2, 64, 32, "float16", "fp8",
+    "fp8_via_f16_prefill_head_dim64_group1": Step((5, 3), (37, 35), 2, 2, 64, 32, "float16", "fp8",
                                                   kernel_args={**PREFILL_TILES, "fp8_via_f16": True}),
     # values ~2^-20: p * v_scale would underflow float16 (zeros) unless the tile's largest v_scale is factored out
-    "fp8_via_f16_decode_tiny_values": Step((1,) * 2, (70, 33), 4, 2, 64, kv_cache_dtype="fp8", value_scale=2**-20,
+    "fp8_via_f16_decode_tiny_values": Step((1,) * 2, (70, 17), 4, 2, 64, kv_cache_dtype="fp8", value_scale=2**-20,
                                            kernel_args={"fp8_via_f16": True, "block_n": 16}),
-    "fp8_via_f16_prefill_tiny_values": Step((12, 30), (20, 30), 4, 2, 64, kv_cache_dtype="fp8", value_scale=2**-20,
+    "fp8_via_f16_prefill_tiny_values": Step((3, 9), (20, 9), 4, 2, 64, kv_cache_dtype="fp8", value_scale=2**-20,
                                             kernel_args={**PREFILL_TILES, "fp8_via_f16": True}),
     # a float16 model with an fp8 cache (dots in f16 whatever the switch): values ~2^-11 are normal f16 numbers, but
     # p * v_scale (~2^-19 and less) is not: 1-2% error before the launchers took the tile-relative scales for f16
-    "fp8_fp16_model_decode_small_values": Step((1,) * 2, (70, 33), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
+    "fp8_fp16_model_decode_small_values": Step((1,) * 2, (70, 17), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
                                               value_scale=2**-11, kernel_args={"block_n": 16}),
-    "fp8_fp16_model_prefill_small_values": Step((12, 30), (20, 30), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
+    "fp8_fp16_model_prefill_small_values": Step((3, 9), (20, 9), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
                                                value_scale=2**-11, kernel_args=PREFILL_TILES),
 }  # fmt: skip
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
@@ -116,7 +120,7 @@ def padded_prefill() -> dict:
     same step padded with 11 tokens and 5 empty sequences on a copy of the cache."""
     from pagedllm.kernels import prefill_attention, store_kv_cache
 
-    step = Step((1, 19, 9), (50, 19, 30), kv_cache_dtype="fp8", kernel_args=PREFILL_TILES)
+    step = Step((1, 9, 5), (40, 9, 20), kv_cache_dtype="fp8", kernel_args=PREFILL_TILES)
     batch = make_batch(step, torch.Generator().manual_seed(2))
     md, scale = batch.metadata, step.head_dim**-0.5
     padded_caches = [cache.clone() for cache in batch.caches()]
