@@ -49,7 +49,6 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def __init__(self, skinny_gemm: bool = False, onednn: bool = False):
         self.skinny_gemm = None
-        self.onednn = onednn
         self.onednn_dtypes = onednn_dtypes() if onednn else ()
         if skinny_gemm:
             from pagedllm.kernels import skinny_gemm as kernel  # imports Triton: only where the choices take it
