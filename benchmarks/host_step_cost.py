@@ -38,7 +38,9 @@ class InstantExecutor:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(0)
 
-    def execute(self, plan, previous=None) -> StepOutput:
+    def execute(self, plan, previous=None, masks=None) -> StepOutput:
+        if masks is not None:
+            masks()  # the protocol: asked for once per constrained plan
         tokens = torch.randint(1, self.vocab_size, (plan.num_sampled,), generator=self.generator)
         return StepOutput(plan.step_id, SamplerOutput(tokens) if plan.num_sampled else None)
 

@@ -18,7 +18,7 @@ import structured_cost  # noqa: E402
 from timers import TIMES, timed  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
-from pagedllm.engine.engine import LLMEngine  # noqa: E402
+from pagedllm.engine import step_pipeline  # noqa: E402
 from pagedllm.engine.grammars import SampleGrammar  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="the engine's CPU threads (default: its own)")
     args = parser.parse_args()
     SampleGrammar.fill = timed("fill", SampleGrammar.fill)
-    LLMEngine.advance_grammar = timed("advance", LLMEngine.advance_grammar)
+    step_pipeline.advance_grammar = timed("advance", step_pipeline.advance_grammar)
     model = str(structured_cost.random_checkpoint_with_tokenizer(args.shape, args.tokenizer, torch.device("cuda")))
     for async_scheduling in (True, False):
         llm = LLM(model, max_model_len=1024, max_num_seqs=args.batch, async_scheduling=async_scheduling,

@@ -21,7 +21,6 @@ from pagedllm.executor.executor import Executor
 from pagedllm.executor.ranks import is_rank_zero
 from pagedllm.executor.start_up import collect_start_up_garbage, weights_to_load
 from pagedllm.loader.checkpoint import open_checkpoint
-from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling.params import SamplingParams, model_sampling_defaults
@@ -337,16 +336,12 @@ class LLMEngine:
         return outputs
 
     def take_token(self, sample: Sample, token: NewToken) -> None:
-        """Grammar, logprobs, text and stop strings for one new token (already appended to the sequence; a verify
-        step appends several, taken here one by one: only the last can be the one that ended the sequence)."""
+        """Logprobs, text and stop strings for one new token (already appended to the sequence, and taken by its
+        grammar's matcher: StepPipeline.follow_tokens; a verify step appends several, taken here one by one: only the
+        last can be the one that ended the sequence)."""
         seq = sample.seq
         position = token.position if token.position >= 0 else seq.num_tokens - 1
-        ended = seq.is_finished and position == seq.num_tokens - 1  # this token is the sequence's last
-        # Ended by EOS or a stop token (the scheduler's rules): that token's text is left out, and it is no grammar
-        # text either, so the matcher does not take it.
-        ended_by_token = ended and seq.finish_reason == "stop"
-        if seq.grammar is not None and not ended_by_token:
-            self.advance_grammar(seq, token.token_id, position)
+        ended_by_token = token.ended_by_token  # EOS or a stop token: its text is left out
         if sample.logprobs is not None:
             sample.logprobs.append(token.logprobs)
             sample.cumulative_logprob += token.logprobs[token.token_id].logprob
@@ -366,27 +361,6 @@ class LLMEngine:
                 ended = True
         if ended:
             sample.detokenizer.finish()
-
-    def advance_grammar(self, seq: Sequence, token_id: int, position: int) -> None:
-        """The matcher takes the token. A complete output ends the sequence now, with finish_reason "stop", before it
-        samples again: a terminated matcher allows only EOS, and nothing at all for a model without EOS. The library
-        may yet refuse a token its mask allowed (llguidance gives up on a grammar too complex for its parser's limits,
-        found only as it parses): the output cannot go on under its constraint, and ends as "abort"."""
-        matcher = seq.grammar.matcher
-        if not matcher.accept_token(token_id):
-            logger.warning(
-                "request %s: its grammar refused token %d, which its mask allowed; the output ends here (abort)",
-                seq.request_id, token_id,
-            )  # fmt: skip
-            if not seq.is_finished or position < seq.num_tokens - 1:
-                self.scheduler.finish(seq, "abort", num_tokens=position + 1)
-            return
-        if not matcher.is_terminated():
-            return
-        if seq.is_finished and position == seq.num_tokens - 1:  # at its length limit on the same token: the
-            seq.finish_reason = "stop"  # grammar's end names the reason
-        else:  # tokens a verify step appended after this one are dropped
-            self.scheduler.finish(seq, "stop", num_tokens=position + 1)
 
     def decode_token(self, token_id: int) -> str:
         """A token's own text (Logprob.decoded_token); the token's name where it is part of a character."""

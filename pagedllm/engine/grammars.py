@@ -1,6 +1,7 @@
 """Structured outputs in the engine: a request waits here, outside the scheduler, while its grammar compiles on the
 GrammarCompiler's thread; once it is ready each of the request's samples gets a matcher (SampleGrammar) that fills
-its mask rows in the step plan and follows its tokens.
+its step's mask rows (fill_masks, while the device runs the step's forward) and follows its tokens (advance_grammar,
+as soon as they are read back).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedllm.logger import logger
+from pagedllm.scheduler.scheduler import Scheduler
 from pagedllm.scheduler.sequence import Sequence
 from pagedllm.structured_output.backend import (
     CompiledGrammar,
@@ -47,6 +50,57 @@ class SampleGrammar:
             words = row.view(np.uint32)
             for token_id in self.stop_token_ids:
                 words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+
+
+def constrained_rows(owners: list[Sequence]) -> np.ndarray:
+    """The sample rows a grammar constrains (StepPlan.bitmask_rows), ascending."""
+    return np.array([row for row, seq in enumerate(owners) if seq.grammar is not None], dtype=np.int64)
+
+
+def fill_masks(owners: list[Sequence], rows: np.ndarray, verify_offsets: list[int] | None = None) -> np.ndarray:
+    """The mask of each constrained row (rows: constrained_rows(owners)), [len(rows), words] int32, as the rows'
+    matchers stand now: after every token read back so far (the caller settles the step in flight first).
+    A verify row after j drafts is masked as the grammar stands after them: the matcher takes each draft before
+    the row that follows it (the proposer kept only drafts the grammar allows) and gives them back after the
+    sequence's last row. A sequence that ended meanwhile gets a row allowing everything: its sample is dropped."""
+    bitmask = np.empty((len(rows), owners[rows[0]].grammar.num_words), dtype=np.int32)
+    for index, row in enumerate(rows.tolist()):
+        seq = owners[row]
+        if seq.is_finished:
+            bitmask[index] = -1
+            continue
+        assert seq.pending_sample_index < 0, "a constrained row's mask needs its previous token"
+        offset = verify_offsets[row] if verify_offsets is not None else 0
+        if offset:
+            allowed = seq.grammar.matcher.accept_token(seq.draft_token_ids[offset - 1])
+            assert allowed, "a draft the grammar refuses was proposed"
+        seq.grammar.fill(bitmask[index])
+        if offset and offset == len(seq.draft_token_ids):
+            seq.grammar.matcher.rollback(offset)
+    return bitmask
+
+
+def advance_grammar(scheduler: Scheduler, seq: Sequence, token_id: int, position: int) -> None:
+    """seq's matcher takes its token at `position` (not one that ended it by the scheduler's rules: EOS or a stop
+    token is no grammar text). A complete output ends the sequence now, with finish_reason "stop", before it samples
+    again: a terminated matcher allows only EOS, and nothing at all for a model without EOS. The library may yet
+    refuse a token its mask allowed (llguidance gives up on a grammar too complex for its parser's limits, found only
+    as it parses): the output cannot go on under its constraint, and ends as "abort"."""
+    matcher = seq.grammar.matcher
+    if not matcher.accept_token(token_id):
+        logger.warning(
+            "request %s: its grammar refused token %d, which its mask allowed; the output ends here (abort)",
+            seq.request_id, token_id,
+        )  # fmt: skip
+        if not seq.is_finished or position < seq.num_tokens - 1:
+            scheduler.finish(seq, "abort", num_tokens=position + 1)
+        return
+    if not matcher.is_terminated():
+        return
+    if seq.is_finished and position == seq.num_tokens - 1:  # at its length limit on the same token: the
+        seq.finish_reason = "stop"  # grammar's end names the reason
+    else:  # tokens a verify step appended after this one are dropped
+        scheduler.finish(seq, "stop", num_tokens=position + 1)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from itertools import chain
 
 import numpy as np
 
+from pagedllm.engine.grammars import constrained_rows
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling, block_table_array
 from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.scheduler.scheduler import ScheduledBatch
@@ -107,32 +108,6 @@ def prompt_logprob_spans(
     return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
-def grammar_masks(
-    owners: list[Sequence], verify_offsets: list[int] | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The mask rows of the sample rows a grammar constrains, filled by their matchers now, and their row indices
-    (ascending); None when no row is constrained, so such a step carries no mask at all. A constrained sequence never
-    holds a placeholder here: the pipeline settles a step with constrained rows before it plans the next.
-    A verify row after j drafts is masked as the grammar stands after them: the matcher takes each draft before
-    the row that follows it (the proposer kept only drafts the grammar allows) and gives them back after the
-    sequence's last row."""
-    rows = [row for row, seq in enumerate(owners) if seq.grammar is not None]
-    if not rows:
-        return None
-    bitmask = np.empty((len(rows), owners[rows[0]].grammar.num_words), dtype=np.int32)
-    for index, row in enumerate(rows):
-        seq = owners[row]
-        assert seq.pending_sample_index < 0, "a constrained row's mask needs its previous token"
-        offset = verify_offsets[row] if verify_offsets is not None else 0
-        if offset:
-            allowed = seq.grammar.matcher.accept_token(seq.draft_token_ids[offset - 1])
-            assert allowed, "a draft the grammar refuses was proposed"
-        seq.grammar.fill(bitmask[index])
-        if offset and offset == len(seq.draft_token_ids):
-            seq.grammar.matcher.rollback(offset)
-    return bitmask, np.array(rows, dtype=np.int64)
-
-
 def verify_sample_rows(
     seqs: list[Sequence], ends: list[int], query_start_loc: np.ndarray
 ) -> tuple[list[Sequence], np.ndarray, list[int]]:
@@ -216,8 +191,6 @@ def build_step_plan(
         sampling=step_sampling(batch, owners, spans, last_sampling, verify_offsets),
         prompt_logprob_rows=prompt_logprob_rows,
         block_copies=np.array(batch.block_copies, dtype=np.int64).reshape(-1, 2),
+        bitmask_rows=constrained_rows(owners),  # their masks are filled once the forward is queued
     )
-    masks = grammar_masks(owners, verify_offsets)
-    if masks is not None:
-        plan.token_bitmask, plan.bitmask_rows = masks
     return PlannedStep(plan, owners, spans, verify_offsets)

@@ -6,8 +6,9 @@ back. Each sampling sequence of step N holds a PLACEHOLDER token meanwhile; step
 device from step N's samples. Invariant: row r of a step's samples belongs to owners[r], the sequences that
 sampled when the plan was built, whatever finishes or aborts before the rows are read. Settled first, before the next
 step is scheduled: every token when the next schedule could preempt (a preempted sequence must not hold a
-placeholder), and a step with rows a grammar constrains (structured outputs: a row's next mask needs its previous
-token, which the engine gives its matcher), so steps with constrained rows run synchronously.
+placeholder). Structured outputs overlap too: a constrained row's mask needs its previous token, so the executor
+asks for step N+1's masks once N+1's forward is queued, and the pipeline then reads step N back (its matchers take
+their tokens as they are read back) and fills them while the device runs the forward; the sampler waits for them.
 Logprobs and prompt logprobs come back with the step's tokens, as vLLM's per-position dicts.
 
 Speculative decoding (a Speculator, spec_decode/): drafts are proposed before a step is scheduled, only when no
@@ -23,7 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.engine.plan_builder import LastSamplingBatch, PromptLogprobSpan, build_step_plan
+import numpy as np
+
+from pagedllm.engine.grammars import advance_grammar, fill_masks
+from pagedllm.engine.plan_builder import LastSamplingBatch, PlannedStep, PromptLogprobSpan, build_step_plan
 from pagedllm.executor.executor import Executor
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepSampling
@@ -43,7 +47,6 @@ class LaunchedStep:
     sampling: StepSampling  # the plan's: which rows asked for logprobs, which prompt tokens the prompt rows predict
     output: StepOutput
     record: StepRecord
-    constrained: bool = False  # some row sampled under a grammar's mask
     verify_offsets: list[int] | None = None  # a verify step's (PlannedStep.verify_offsets)
 
     def nobody_waits(self) -> bool:
@@ -58,6 +61,8 @@ class NewToken:
     logprobs: PositionLogprobs | None  # when the sequence asked for logprobs
     # Its index in seq.token_ids, where a verify step appended several; -1: the sequence's last token.
     position: int = -1
+    # It ended the sequence by the scheduler's rules (EOS or a stop token, finish_reason "stop"): its text is left out.
+    ended_by_token: bool = False
 
 
 @dataclass(slots=True)
@@ -104,6 +109,7 @@ class StepPipeline:
         self.speculator = speculator
         self.take_backs: list[TakeBack] = []  # for the next plan
         self.in_flight: LaunchedStep | None = None
+        self.settled: StepResult | None = None  # the step in flight, read back early for the next step's masks
         self.step_ids = itertools.count()
         self.last_sampling = LastSamplingBatch()
         # Set by a tracer: called with each launched step and the scheduler, its result goes in record.detail.
@@ -123,11 +129,10 @@ class StepPipeline:
                 return StepResult()
             self.scheduler.advance(launched.batch)
             return self.resolve(launched)
-        in_flight = self.in_flight
-        if in_flight is not None and (in_flight.constrained or self.settles_first()):
+        if self.in_flight is not None and self.settles_first():
             return self.resolve_in_flight()
-        launched = self.launch(self.in_flight)
-        resolved = self.resolve_in_flight()
+        launched = self.launch(self.in_flight)  # a step with constrained rows reads the one in flight back inside
+        resolved, self.settled = self.settled or self.resolve_in_flight(), None
         if launched is None:
             return resolved
         # After resolving: the batch's full blocks are hashed with real tokens, never placeholders.
@@ -162,7 +167,10 @@ class StepPipeline:
         sampling = planned.plan.sampling  # the one part of the plan the launched step keeps
         self.add_take_backs(sampling)
         previous_output = previous.output if previous is not None else None
-        output = self.worker.execute(planned.plan, previous_output)
+        masks = None
+        if len(planned.plan.bitmask_rows):
+            masks = lambda: self.fill_masks(planned, previous)  # noqa: E731
+        output = self.worker.execute(planned.plan, previous_output, masks)
         if self.speculator is not None:
             self.speculator.mirror(planned.plan, previous_output)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and seq.num_output_tokens)
@@ -190,14 +198,19 @@ class StepPipeline:
             if batch.num_draft_tokens:
                 record.speculation = VERIFIED
             record.num_paused = 0 if proposal is None else proposal.num_paused
-        constrained = len(planned.plan.bitmask_rows) > 0
         launched = LaunchedStep(
-            batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record, constrained,
-            planned.verify_offsets,
-        )  # fmt: skip
+            batch, planned.owners, planned.prompt_logprob_spans, sampling, output, record, planned.verify_offsets
+        )
         if self.describe_step is not None:
             record.detail = self.describe_step(launched, self.scheduler)
         return launched
+
+    def fill_masks(self, planned: PlannedStep, previous: LaunchedStep | None) -> np.ndarray:
+        """The constrained rows' masks, asked for by the executor once the step's forward is queued: the step in
+        flight (previous) is read back first, its tokens taken by their matchers, then each row is filled."""
+        if previous is not None and self.in_flight is previous:
+            self.settled = self.resolve_in_flight()
+        return fill_masks(planned.owners, planned.plan.bitmask_rows, planned.verify_offsets)
 
     def add_take_backs(self, sampling: StepSampling) -> None:
         """The last verify step's take-backs, for the sequences still running (an ended one's state index is
@@ -237,9 +250,24 @@ class StepPipeline:
             result.tokens = [
                 NewToken(seq, token_id, logprobs.get(row)) for row, seq, token_id in zip(live, seqs, live_token_ids)
             ]
+        self.follow_tokens(result.tokens)
         launched.record.num_generated = len(result.tokens)
         launched.record.resolved_at = time.perf_counter()
         return result
+
+    def follow_tokens(self, tokens: list[NewToken]) -> None:
+        """Mark the tokens that ended their sequence by the scheduler's rules, and give every other token of a
+        constrained sequence to its matcher, in order (a verify step's run may end early: at its grammar's end, the
+        tokens after it are dropped and skipped here)."""
+        for token in tokens:
+            seq = token.seq
+            position = token.position if token.position >= 0 else seq.num_tokens - 1
+            if position >= seq.num_tokens:
+                continue
+            if seq.is_finished and position == seq.num_tokens - 1 and seq.finish_reason == "stop":
+                token.ended_by_token = True
+            elif seq.grammar is not None:
+                advance_grammar(self.scheduler, seq, token.token_id, position)
 
     def take_verified(self, launched: LaunchedStep, token_ids: list[int], logprobs: dict) -> list[NewToken]:
         """A verify step's rows, one run of rows per owner (offset 0 starts it): each live owner keeps its accepted

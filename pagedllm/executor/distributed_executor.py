@@ -9,9 +9,11 @@ step raises a RuntimeError naming the rank and its error, and every later step r
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,13 +102,15 @@ class DistributedExecutor:
     def set_device_timings(self, on: bool) -> None:
         self.worker.set_device_timings(on)  # rank 0's steps carry the events: the others' are not read
 
-    def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
+    def execute(
+        self, plan: StepPlan, previous: StepOutput | None = None, masks: Callable[[], np.ndarray] | None = None
+    ) -> StepOutput:
         if self.state.ended:
             raise RuntimeError("this LLM's tensor-parallel ranks have ended (shutdown() or an earlier failure)")
         self.raise_if_rank_died()
         try:
             self.sender.send(plan)
-            output = self.worker.execute(plan, previous)
+            output = self.worker.execute(plan, previous, masks)  # rank 0 samples: the masks are its alone
         except BaseException as error:
             self.fail(error)
         output.check_ranks = self.raise_if_rank_died

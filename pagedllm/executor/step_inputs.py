@@ -92,7 +92,7 @@ class PackedInputs:
     field's device view never moves, so a CUDA graph captured on it reads each later step's values.
 
     Layout: the arrays of one value a row, then the block tables (the first table declared), in the one copy; each
-    later table (a grammar's bitmask, say) after them, in a copy of its own when the plan fills any of its rows.
+    later table after them, in a copy of its own when the plan fills any of its rows.
     Each field holds as many rows as its kind's bound (max_tokens, max_seqs or max_samples, plus the kind's extra
     rows), and a table as many columns as its width: table_width for the block tables, `widths` for tables of other
     names."""

@@ -89,10 +89,9 @@ class StepPlan:
     prompt_logprob_rows: np.ndarray = plan_array(np.int64, PROMPT_LOGPROB_ROWS, upload=False)
     # (source, destination) KV blocks to copy before the step: copy-on-write of shared blocks.
     block_copies: np.ndarray = plan_array(np.int64, BLOCK_COPIES, columns=2, upload=False)
-    # Structured outputs, rank 0's alone: the allowed tokens of each constrained sample row (bit t % 32 of word t // 32
-    # allows token t; bitmask_words = ceil(vocab / 32)) and that row's index among the sample rows, ascending. Only
-    # constrained rows are carried: a step without one has no rows here, and nothing is uploaded or applied.
-    token_bitmask: np.ndarray = plan_array(np.int32, MASKED, columns="bitmask_words", broadcast=False)
+    # Structured outputs, rank 0's alone: the sample rows a grammar constrains, ascending. Their masks are no plan
+    # field: the matchers fill them while the device runs the forward (Executor.execute's `masks`). A step without a
+    # constrained row has none here, and no mask is filled, uploaded or applied.
     bitmask_rows: np.ndarray = plan_array(np.int64, MASKED, broadcast=False)
     sampling: StepSampling | None = None  # rank 0's alone: None on the other tensor-parallel ranks, which do not sample
 

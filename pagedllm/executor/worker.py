@@ -7,6 +7,8 @@ order (their collectives pair up that way), and only rank 0 has a sampler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -29,7 +31,6 @@ from pagedllm.models.spec import DecoderSpec
 from pagedllm.sampling.batch import array_to_device
 from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sampling.sampler import Sampler, TokenMask
-from pagedllm.structured_output.backend import bitmask_words
 
 # Prompt logprobs: logits of at most this many prompt rows exist at once (rows x vocab x ~12 bytes at the peak).
 PROMPT_LOGPROB_CHUNK = 256
@@ -53,12 +54,9 @@ class Worker:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         if device.type == "cuda":
             table_width = -(-max_model_len // config.block_size)  # any sequence's block table fits
-            # A grammar's bitmask row covers the model's vocabulary (structured outputs).
-            widths = {"bitmask_words": bitmask_words(self.spec.vocab_size)}
             self.buffers = StepBuffers(
-                max_tokens, config.max_num_seqs, table_width, device, widths=widths,
-                max_samples=resolved.max_sampled_rows,
-            )  # fmt: skip
+                max_tokens, config.max_num_seqs, table_width, device, max_samples=resolved.max_sampled_rows
+            )
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.prefill_token_counts = graph_token_counts(max_tokens)
         # CUDA with the Triton backend: every step runs at a graph's shapes, with graphs or without (enforce_eager),
@@ -75,9 +73,13 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
+    def execute(
+        self, plan: StepPlan, previous: StepOutput | None = None, masks: Callable[[], np.ndarray] | None = None
+    ) -> StepOutput:
         """Queue one step on the device without waiting for it. Input tokens still unknown on the host
-        (sampled by the step in flight) are taken on the device from `previous`."""
+        (sampled by the step in flight) are taken on the device from `previous`. masks: the grammar masks of
+        plan.bitmask_rows, asked for once the forward and the logits are queued, so the host fills them while the
+        device computes (Executor.execute)."""
         if self.model is None:
             raise RuntimeError("this engine was shut down; create a new LLM")
         if plan.sampling is not None:
@@ -105,7 +107,9 @@ class Worker:
             sample_hidden = hidden[: len(rows)] if in_order else hidden[inputs.sample_rows]
             logits = self.model.compute_logits(sample_hidden)  # None on ranks other than 0
             if logits is not None:
-                mask = TokenMask(inputs.token_bitmask, inputs.bitmask_rows) if len(plan.bitmask_rows) else None
+                mask = None
+                if len(plan.bitmask_rows):
+                    mask = TokenMask(upload_array(masks(), self.device), inputs.bitmask_rows)
                 sampled = self.sampler(logits, plan.sampling.batch, mask)
         prompt_logprobs = self.prompt_logprobs(hidden, plan) if len(plan.prompt_logprob_rows) else None
         if events is not None:

@@ -41,7 +41,7 @@ WARMUP_PARAMS = (
 
 @dataclass(slots=True)
 class TokenMask:
-    """The grammar masks of a step's constrained rows, on the sampling device (StepPlan.token_bitmask)."""
+    """The grammar masks of a step's constrained rows, on the sampling device (Executor.execute's masks)."""
 
     bitmask: torch.Tensor  # [masked, bitmask_words] int32: bit t % 32 of word t // 32 allows token t
     rows: torch.Tensor  # [masked] int64: which logits row each masks, ascending

@@ -75,11 +75,10 @@ class DraftModel:
         Input tokens the step in flight sampled come from `previous` (the target's output) on the device."""
         self.worker.execute(
             dataclasses.replace(
-                plan, sample_rows=NO_ROWS, sampling=None, prompt_logprob_rows=NO_ROWS,
-                token_bitmask=np.zeros((0, 0), dtype=np.int32), bitmask_rows=NO_ROWS,
+                plan, sample_rows=NO_ROWS, sampling=None, prompt_logprob_rows=NO_ROWS, bitmask_rows=NO_ROWS
             ),
             previous,
-        )  # fmt: skip
+        )
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -30,8 +30,10 @@ class ConstantExecutor:
         self.num_plans = 0
         self.shut_down = False
 
-    def execute(self, plan, previous=None) -> StepOutput:
+    def execute(self, plan, previous=None, masks=None) -> StepOutput:
         assert not self.shut_down, "a step after shutdown()"
+        if masks is not None:
+            masks()  # the protocol: asked for once per constrained plan
         self.num_plans += 1
         events = StepEvents.create(self.device) if self.device_timings else None
         if events is not None:

@@ -138,6 +138,28 @@ def test_async_scheduling_and_chunked_prefill_give_the_same_outputs(llama_dir, p
     assert generate(llm, indices) == [plain[i] for i in indices]
 
 
+def test_constrained_steps_overlap_under_async_scheduling(llama_dir, plain):
+    """Async scheduling keeps overlapping steps whose rows a grammar constrains: such a step is queued while the
+    one before it is in flight (its constrained rows' input tokens are placeholders then), and its masks are asked
+    for only after that, once the step in flight is read back. The outputs are the synchronous run's."""
+    llm = LLM(llama_dir, max_model_len=256, async_scheduling=True)
+    worker, execute = llm.llm_engine.worker, llm.llm_engine.worker.execute
+    overlapped = []  # per constrained plan: queued with its constrained rows' tokens still on the device
+
+    def recording(plan, previous=None, masks=None):
+        if masks is None:
+            return execute(plan, previous)
+        pending = set(plan.placeholder_rows.tolist())
+        rows = plan.sample_rows[plan.bitmask_rows].tolist()
+        overlapped.append(previous is not None and all(row in pending for row in rows))
+        return execute(plan, previous, masks)
+
+    worker.execute = recording
+    indices = list(range(2, NUM_SEEDS, 13))
+    assert generate(llm, indices) == [plain[i] for i in indices]
+    assert sum(overlapped) >= 0.8 * len(overlapped) > 0, overlapped
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preempted_sequences_keep_their_matchers(llama_dir, plain, async_scheduling):
     """A cache that holds the prompts but not their outputs: sequences are preempted and recomputed."""

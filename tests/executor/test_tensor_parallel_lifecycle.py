@@ -193,10 +193,10 @@ def test_an_error_in_rank_0_forward_stops_the_other_ranks(llama_dir, monkeypatch
     (process,) = llm.llm_engine.worker.ranks.processes
     execute = Worker.execute
 
-    def execute_or_fail(self, plan, previous=None):  # patched in this process only: rank 0
+    def execute_or_fail(self, plan, previous=None, masks=None):  # patched in this process only: rank 0
         if plan.step_id >= 2:
             raise ValueError("injected failure on rank 0")
-        return execute(self, plan, previous)
+        return execute(self, plan, previous, masks)
 
     monkeypatch.setattr(Worker, "execute", execute_or_fail)
     start = time.monotonic()

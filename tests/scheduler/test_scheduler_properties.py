@@ -81,7 +81,8 @@ class FakeWorker:
     def shutdown(self) -> None:
         """Holds nothing."""
 
-    def execute(self, plan: StepPlan, previous: StepOutput | None = None) -> StepOutput:
+    def execute(self, plan: StepPlan, previous: StepOutput | None = None, masks=None) -> StepOutput:
+        assert masks is None, "no request here is constrained"
         check_plan(plan)  # each array of the dtype, shape and rows its field declares
         placeholder_rows = set(plan.placeholder_rows.tolist())
         assert placeholder_rows == {row for row, token in enumerate(plan.input_ids) if token == PLACEHOLDER}
