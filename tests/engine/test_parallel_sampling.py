@@ -34,9 +34,9 @@ def record_copies(llm: LLM) -> list[int]:
     worker, copies = llm.llm_engine.worker, []
     execute = worker.execute
 
-    def recording(plan, previous=None):
+    def recording(plan, previous=None, masks=None):
         copies.append(len(plan.block_copies))
-        return execute(plan, previous)
+        return execute(plan, previous, masks)
 
     worker.execute = recording
     return copies

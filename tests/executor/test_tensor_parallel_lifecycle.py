@@ -44,8 +44,8 @@ SCRIPT = textwrap.dedent(
         start_up.load_weights = lambda *args: fail_on_rank_1("loading")
     if os.environ.get("TP_TEST_FAULT") == "running":
         execute = worker_module.Worker.execute
-        worker_module.Worker.execute = lambda self, plan, previous=None: (
-            fail_on_rank_1("running") if plan.step_id >= 2 else execute(self, plan, previous)
+        worker_module.Worker.execute = lambda self, plan, previous=None, masks=None: (
+            fail_on_rank_1("running") if plan.step_id >= 2 else execute(self, plan, previous, masks)
         )
 
     if __name__ == "__main__":
