@@ -5,6 +5,7 @@ This is the only place where scheduler objects become device inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -12,7 +13,9 @@ import numpy as np
 
 from pagedllm.engine.grammars import constrained_rows
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling, block_table_array
-from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
+from pagedllm.sampling.batch import SampledDrafts, SamplingBatch, build_sampling_batch
+from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.rejection import NO_DRAFT
 from pagedllm.scheduler.scheduler import ScheduledBatch
 from pagedllm.scheduler.sequence import Sequence
 
@@ -57,13 +60,19 @@ def step_sampling(
 ) -> StepSampling:
     """verify_offsets: a verify step's (PlannedStep.verify_offsets). Its row after j drafts samples as the j-th
     token after the last one would: j more output tokens (min_tokens), the j drafts counted by its penalties. Such
-    a batch is never kept: its drafts change every step."""
+    a batch is never kept: its drafts change every step. The rows of a sequence whose drafts were drawn from a
+    distribution take the rejection rule (SampledDrafts): the batch sees them as greedy rows."""
     state_indices = [seq.state_index for seq in owners]
     if last.batch is not None and owners == last.owners and verify_offsets is None:  # Sequences compare by identity
         sampling_batch = last.batch
     else:
         params = [seq.sampling_params for seq in owners]
         offsets = verify_offsets or [0] * len(owners)
+        drafted = []  # the rows that take the rejection rule
+        if verify_offsets is not None:
+            drafted = [row for row, seq in enumerate(owners) if seq.draft_probs is not None]
+        for row in drafted:
+            params[row] = logits_only(params[row])
         # Only rows with min_tokens read their output count and the EOS ids (every sequence of one engine has the
         # engine's EOS ids, which min_tokens bans).
         num_output_tokens, eos_token_ids = None, frozenset()
@@ -74,6 +83,8 @@ def step_sampling(
         if verify_offsets is not None:
             ahead = [seq.draft_token_ids[:offset] for seq, offset in zip(owners, offsets)]
         sampling_batch = build_sampling_batch(params, state_indices, num_output_tokens, eos_token_ids, ahead)
+        if drafted:
+            add_sampled_drafts(sampling_batch, owners, offsets, drafted)
         keep = num_output_tokens is None and verify_offsets is None
         last.owners, last.batch = owners, sampling_batch if keep else None
     targets = [span.seq.token_ids[span.first_position + 1 : span.first_position + 1 + span.num_rows] for span in spans]
@@ -87,6 +98,40 @@ def step_sampling(
         ],
         prompt_logprob_token_ids=np.fromiter(chain.from_iterable(targets), np.int64),
         num_prompt_logprobs=max((s.seq.sampling_params.prompt_logprobs for s in spans), default=0),
+    )
+
+
+def logits_only(params: SamplingParams) -> SamplingParams:
+    """params as a greedy row: what shapes its logits (logit_bias, min_tokens, penalties) and its logprobs, without
+    the settings that choose its token (the rejection rule chooses it)."""
+    return dataclasses.replace(params, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
+
+
+def add_sampled_drafts(batch: SamplingBatch, owners: list[Sequence], offsets: list[int], rows: list[int]) -> None:
+    """The rejection rule's rows (SampledDrafts): rows[i] is the offsets[rows[i]]-th verify row of its owner, which
+    verifies that draft, drawn from that row of the owner's draft_probs (none after its last draft). Row i of the
+    distribution batch has the owner's own temperature, top-k, top-p, min-p and seed."""
+    vocab_size = owners[rows[0]].draft_probs.shape[1]
+    token_ids = np.full(len(rows), NO_DRAFT, dtype=np.int64)
+    probs = np.zeros((len(rows), vocab_size), dtype=np.float32)
+    for index, row in enumerate(rows):
+        seq, offset = owners[row], offsets[row]
+        assert len(seq.draft_probs) == len(seq.draft_token_ids), "draft distributions of other drafts"
+        if offset < len(seq.draft_token_ids):
+            token_ids[index] = seq.draft_token_ids[offset]
+            probs[index] = seq.draft_probs[offset]
+    distribution = build_sampling_batch(
+        [distribution_only(owners[row].sampling_params) for row in rows], [owners[row].state_index for row in rows]
+    )
+    batch.sampled_drafts = SampledDrafts(np.array(rows, dtype=np.int64), token_ids, probs, distribution)
+    # The rule's seeded rows draw from their generators: a rejected one is given back (StepSampling.generator_rewinds).
+    batch.keep_generator_states |= distribution.seeded_rows is not None
+
+
+def distribution_only(params: SamplingParams) -> SamplingParams:
+    """What makes a row's sampling distribution of its processed logits, and its seed."""
+    return SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, seed=params.seed
     )
 
 

@@ -96,6 +96,11 @@ class StepOutput:
         self.wait()
         return None if self.host_sampled is None else self.host_sampled.logprobs
 
+    def probs(self) -> torch.Tensor | None:
+        """On the host: each sample row's distribution, when the plan's batch asked for it (return_probs)."""
+        self.wait()
+        return None if self.host_sampled is None else self.host_sampled.probs
+
     def prompt_logprobs(self) -> LogprobsTensors | None:
         """On the host: one row per plan.prompt_logprob_rows entry."""
         self.wait()

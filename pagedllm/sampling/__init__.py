@@ -12,7 +12,9 @@ then as vLLM's per-position dicts on the host). The Sampler's steps on a step's 
 5. Greedy rows take the argmax here; the others divide by their temperature.
 6. Truncation: top-k and min-p, then top-p on the distribution they left.
 7. The exponential race: argmax(logits / T - log E), E ~ Exp(1) per token, drawn from the row's own generator when
-   seeded (one Triton kernel on CUDA when no row truncates or is seeded).
+   seeded (one Triton kernel on CUDA when no row truncates or is seeded). The rows of a verify step whose drafts
+   were drawn from a distribution (SamplingBatch.sampled_drafts, greedy rows until here) take the rejection rule
+   instead (`rejection`), on the distribution steps 5-6 make of their logits (sampling_probs).
 8. The penalised rows' output counts take the sampled tokens, on the device.
 9. Logprobs of the chosen tokens: their logprob and rank, and each row's top-N, from step 1's logprobs.
 

@@ -41,6 +41,10 @@ class SamplingBatch:
     # A verify step's: the sampler keeps each seeded row's generator state after its draw, so the next step can
     # rewind a generator past the draws of rejected rows (StepSampling.generator_rewinds).
     keep_generator_states: bool = False
+    # A verify step's rows whose drafts were drawn from a distribution (SampledDrafts); None: every draft is one-hot.
+    sampled_drafts: SampledDrafts | None = None
+    # A draft model's: the sampler also returns the distribution each row was sampled from (SamplerOutput.probs).
+    return_probs: bool = False
     logprob_rows: np.ndarray | None = None  # [r] int64: rows that asked for logprobs
     num_logprobs: np.ndarray | None = None  # [r] int64: how many top logprobs each of them asked for
     # The batch on the sampling device, made by the first step that samples it. A batch is reused while the same
@@ -84,6 +88,9 @@ class SamplingBatch:
             adjustments = LogitAdjustments(
                 upload(self.adjusted_rows), upload(self.adjusted_token_ids), upload(self.adjustments)
             )
+        sampled_drafts = None
+        if self.sampled_drafts is not None:
+            sampled_drafts = self.sampled_drafts.to_device(device, generator_for, default_generator, pin_memory)
         penalties = None
         if self.penalty_rows is not None:
             penalties = PenaltyTensors(
@@ -111,6 +118,8 @@ class SamplingBatch:
             logprob_rows=upload(self.logprob_rows),
             max_num_logprobs=0 if self.num_logprobs is None else int(self.num_logprobs.max()),
             keep_generator_states=self.keep_generator_states,
+            sampled_drafts=sampled_drafts,
+            return_probs=self.return_probs,
         )
 
 
@@ -121,6 +130,42 @@ def array_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -
     if pin_memory:
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+@dataclass(slots=True)
+class SampledDrafts:
+    """The rows of a verify step that take the rejection rule (sampling/rejection.py): every row of each sequence
+    whose drafts a draft model drew from its distribution q, that is the row of each draft and the row after the
+    last one. The batch that holds them treats them as greedy: its settings only shape their logits (logit_bias,
+    min_tokens, penalties) and give their logprobs; their tokens come from the rule, with `distribution`'s settings."""
+
+    rows: np.ndarray  # [d] int64, ascending: rows of the batch (a sequence's rows one after the other)
+    token_ids: np.ndarray  # [d] int64: the draft each row verifies; rejection.NO_DRAFT for the row after the last
+    probs: np.ndarray  # [d, vocab] float32: the q each draft was drawn from; 0 for the row after the last
+    # Row i of it is rows[i]'s request's temperature, top-k, top-p, min-p and seed (the target distribution p).
+    distribution: SamplingBatch
+
+    def to_device(
+        self,
+        device: torch.device,
+        generator_for: Callable[[int], torch.Generator],
+        default_generator: torch.Generator | None,
+        pin_memory: bool = False,
+    ) -> SampledDraftTensors:
+        distribution = self.distribution.to_device(device, generator_for, default_generator, pin_memory)
+        upload = lambda array: array_to_device(array, device, pin_memory)
+        return SampledDraftTensors(
+            upload(self.rows), self.rows.tolist(), upload(self.token_ids), upload(self.probs), distribution
+        )
+
+
+@dataclass(slots=True)
+class SampledDraftTensors:
+    rows: torch.Tensor  # [d] int64
+    row_list: list[int]  # the same rows, on the host (a seeded row's generator state is kept by its batch row)
+    token_ids: torch.Tensor  # [d] int64
+    probs: torch.Tensor  # [d, vocab] float32
+    distribution: SamplingTensors
 
 
 @dataclass(slots=True)
@@ -160,6 +205,8 @@ class SamplingTensors:
     logprob_rows: torch.Tensor | None = None  # [r] int64
     max_num_logprobs: int = 0  # the largest top-N among logprob_rows
     keep_generator_states: bool = False  # see SamplingBatch
+    sampled_drafts: SampledDraftTensors | None = None
+    return_probs: bool = False  # see SamplingBatch
 
 
 def build_sampling_batch(

@@ -32,7 +32,9 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]: keep the smallest set of most likely tokens whose mass reaches top_p
     top_k: int = 0  # 0 or -1: off; k >= 1 keeps the k most likely tokens
     min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely one
-    seed: int | None = None  # the request's own random stream: same tokens whatever else is in the batch
+    # The request's own random stream: the same tokens whatever else is in the batch (under a draft model's drawn
+    # drafts, run after run with the same engine settings and requests: spec_decode/acceptance.py).
+    seed: int | None = None
     stop: str | list[str] | None = None  # stop strings; normalised to a list
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False

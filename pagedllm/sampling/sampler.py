@@ -6,6 +6,8 @@ take the argmax; the others divide by their temperature, keep what min-p, top-k 
 distribution the previous one left, renormalised) and draw. A row draws by the exponential race,
 argmax(logits / T - log E) with E ~ Exp(1) per token, which samples softmax(logits / T) without computing it.
 Seeded rows draw E from their own generator over the whole vocabulary, so their tokens do not depend on the batch.
+A verify step's rows of drafts drawn from a distribution q take the rejection rule instead (rejection.py), on
+sampling_probs, the distribution the race would draw from.
 
 The kernel choices the sampler is built with say what runs (on CUDA by default: both of these). With `compile`, the
 element-wise parts are compiled (layers/compile.py); Sampler.warmup() compiles each of them at start-up. With the
@@ -23,9 +25,10 @@ import torch
 
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
-from pagedllm.sampling.batch import SamplingBatch, SamplingTensors, build_sampling_batch
+from pagedllm.sampling.batch import SampledDraftTensors, SamplingBatch, SamplingTensors, build_sampling_batch
 from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs, copy_to_host
 from pagedllm.sampling.params import SamplingParams
+from pagedllm.sampling.rejection import rejection_rows
 from pagedllm.sampling.state import PenaltyState, SeededGenerators
 from pagedllm.structured_output.bitmask import apply_bitmask
 
@@ -51,12 +54,14 @@ class TokenMask:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [rows] int64
     logprobs: LogprobsTensors | None = None  # for SamplingBatch.logprob_rows, in that order
+    probs: torch.Tensor | None = None  # [rows, vocab] float32 with SamplingBatch.return_probs: see sampling_probs
 
     def to_host(self, pin_memory: bool = False) -> SamplerOutput:
         """Start the copies to the host: to pinned memory, asynchronously, with `pin_memory` (record an event, sync
         it before reading); without, plain copies (none at all for tensors already on the host)."""
         logprobs = None if self.logprobs is None else self.logprobs.to_host(pin_memory)
-        return SamplerOutput(copy_to_host(self.sampled_token_ids, pin_memory), logprobs)
+        probs = None if self.probs is None else copy_to_host(self.probs, pin_memory)
+        return SamplerOutput(copy_to_host(self.sampled_token_ids, pin_memory), logprobs, probs)
 
 
 class Sampler:
@@ -146,13 +151,17 @@ def sample_tokens(
     if mask is not None:
         # Ascending distinct rows as many as the logits' are every row in order: masked in place, without a gather.
         apply_bitmask(logits, mask.bitmask, None if len(mask.rows) == len(logits) else mask.rows)
-    sampled = choose_tokens(process_logits(logits, params, penalty_state), params, kernels, generator_states)
+    logits = process_logits(logits, params, penalty_state)
+    probs = sampling_probs(logits, params) if params.return_probs else None
+    sampled = choose_tokens(logits, params, kernels, generator_states)
+    if params.sampled_drafts is not None:
+        take_sampled_drafts(logits, sampled, params.sampled_drafts, generator_states)
     if params.penalties is not None:
         penalty_state.update(params.penalties, sampled)
     if raw_logprobs is None:
-        return SamplerOutput(sampled)
+        return SamplerOutput(sampled, probs=probs)
     chosen = sampled if len(raw_logprobs) == len(sampled) else sampled.index_select(0, params.logprob_rows)
-    return SamplerOutput(sampled, compute_logprobs(raw_logprobs, chosen, params.max_num_logprobs))
+    return SamplerOutput(sampled, compute_logprobs(raw_logprobs, chosen, params.max_num_logprobs), probs)
 
 
 def process_logits(
@@ -166,6 +175,41 @@ def process_logits(
         assert penalty_state is not None, "a row has penalties but the sampler got no penalty state"
         logits = penalty_state.apply(logits, params.penalties)
     return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The distribution choose_tokens samples each non-greedy row of (processed) logits from: softmax(logits / T)
+    over the tokens min-p, top-k and top-p keep (truncation_mask, in rank order), 0 elsewhere. A greedy row gets
+    softmax(logits), which nothing samples."""
+    scaled = logits / params.divisors[:, None]
+    if params.top_ks is not None or params.top_ps is not None or params.min_ps is not None:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_keep = truncation_mask(sorted_logits, params)
+        keep = torch.empty_like(sorted_keep).scatter_(1, order, sorted_keep)  # back in token order
+        scaled = scaled.masked_fill(~keep, -torch.inf)
+    return scaled.softmax(dim=-1)
+
+
+def take_sampled_drafts(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    drafts: SampledDraftTensors,
+    generator_states: dict[int, torch.Tensor] | None = None,
+) -> None:
+    """The tokens of the rows that verify sampled drafts, by the rejection rule, written into `sampled` (their
+    batch sampled them as greedy rows). p is the rows' sampling_probs under their own settings. Each row draws
+    vocab + 1 values of Exp(1) from its generator, in row order (the rows of one request one after the other, as
+    exponential_noise draws): vocab for the residual's race, and one more, e, for the uniform exp(-e)."""
+    distribution = drafts.distribution
+    target = sampling_probs(logits.index_select(0, drafts.rows), distribution)
+    states = None if generator_states is None else {}
+    rows, vocab_size = target.shape
+    noise = exponential_noise(target.new_empty(rows, vocab_size + 1), distribution, generator_states=states)
+    uniforms = noise[:, -1].neg().exp()  # exp(-e) ~ U(0, 1) for e ~ Exp(1)
+    tokens = rejection_rows(target, drafts.probs, drafts.token_ids, uniforms, noise[:, :-1])
+    sampled.index_copy_(0, drafts.rows, tokens)
+    if states:  # kept by the batch's rows
+        generator_states.update({drafts.row_list[index]: state for index, state in states.items()})
 
 
 def choose_tokens(

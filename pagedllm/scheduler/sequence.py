@@ -57,6 +57,10 @@ class Sequence:
     # what fits, cleared when the step's tokens are appended; a draft model's are PLACEHOLDERs until it fills them,
     # after scheduling. Never part of token_ids: only the accepted ones are appended.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The distributions a draft model drew draft_token_ids from (a numpy [drafts, vocab] float32 array: a
+    # non-greedy request's), set when it fills them and dropped once they are verified; None: one-hot drafts (the
+    # n-gram lookup's, a greedy request's argmax).
+    draft_probs: object | None = None
     # This sample's speculation state (the engine's spec_decode.SpeculationState: its acceptance window, back-off).
     speculation: object | None = None
     finish_reason: str | None = None

@@ -104,6 +104,7 @@ class Speculator:
     def accept(self, seq: Sequence, sampled: list[int]) -> Verified:
         """seq's verify rows' tokens -> what it keeps; back-off counts the attempt."""
         drafts = seq.draft_token_ids
+        seq.draft_probs = None  # verified: the drafts' distributions are not needed again
         tokens = accepted_tokens(sampled, drafts)
         if drafts:
             backoff.observe(seq, len(drafts), len(tokens) - 1)

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.sampling.batch import SamplingBatch, build_sampling_batch
 from pagedllm.sampling.params import SamplingParams
-from pagedllm.sampling.sampler import Sampler
+from pagedllm.sampling.sampler import Sampler, sampling_probs
 
 # Eight tokens carry the mass; the 56 others are nearly impossible but must never be drawn once truncated away.
 HEAD = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]
@@ -113,3 +113,17 @@ def test_top_k_batches_take_the_topk_path_with_the_same_distribution():
     assert 0 < batch.top_k_candidates <= VOCAB // 8  # the sampler's condition for the topk path
     for case, frequency in zip(cases, frequencies):
         assert total_variation(frequency, expected(*case)) < TV_BOUND
+
+
+def test_sampling_probs_are_the_distribution_the_draws_follow():
+    """sampling_probs (what a verify row's rejection rule and a draft model's q take) is each case's distribution, in
+    one mixed batch with a row that truncates nothing and a greedy row; no wrong variant is as close."""
+    cases = {**CASES, "nothing_truncated": (1.0, 0, 1.0, 0.0)}
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for (t, k, p, m) in cases.values()]
+    batch = build_sampling_batch([*params, SamplingParams(temperature=0)])
+    logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(len(params) + 1, 1)
+    probs = sampling_probs(logits, batch.to_device(torch.device("cpu"), None, None)).double().numpy()
+    for (name, case), row in zip(cases.items(), probs):
+        assert np.abs(row - expected(*case)).max() < 1e-5, name
+        for variant in WRONG_VARIANTS.get(name, []):
+            assert total_variation(row, expected(*case, variant=variant)) > TV_BOUND, (name, variant)

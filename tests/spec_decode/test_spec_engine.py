@@ -1,7 +1,10 @@
-"""Speculative decoding end to end on the tiny checkpoints: with n-gram drafts and with a draft model, greedy and
-seeded outputs equal those without speculation, token for token, under chunked prefill, prefix caching, forced
-preemption, async scheduling and n = 2; EOS, stop tokens, stop strings and max_tokens that land inside a run of
-accepted drafts end the output exactly there; no KV block stays held once every request has ended."""
+"""Speculative decoding end to end on the tiny checkpoints: with n-gram drafts and with a draft model, greedy outputs
+equal those without speculation, token for token, under chunked prefill, prefix caching, forced preemption, async
+scheduling and n = 2, and so do seeded ones with n-gram drafts (one-hot: each row's own draw decides). A draft model
+samples a non-greedy request's drafts from its own distribution, and their verify steps take the rejection rule: they
+complete, accept as often as the draft's closeness to the target says, and a seeded request repeats its tokens. EOS,
+stop tokens, stop strings and max_tokens that land inside a run of accepted drafts end the output exactly there; no KV
+block stays held once every request has ended."""
 
 from __future__ import annotations
 
@@ -49,6 +52,10 @@ def completions(llm: LLM, params, prompts: list[dict] = PROMPTS) -> list[list[tu
     block_manager.check_invariants(holders=[])
     assert block_manager.num_free_blocks == block_manager.num_blocks
     return [[(s.token_ids, s.finish_reason, s.stop_reason, s.text) for s in output.outputs] for output in outputs]
+
+
+def lengths(outputs: list[list[tuple]]) -> list[list[int]]:
+    return [[len(sample[0]) for sample in output] for output in outputs]
 
 
 class Records:
@@ -108,13 +115,19 @@ ENGINES = {
 @pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_and_seeded_outputs_equal_those_without_speculation(llama_dir, expected, speculating, proposer, engine):
-    """Greedy twice (the second pass from the prefix cache), then seeded. A verify row samples from the request's
-    distribution with the request's own draw, so accepted drafts are the tokens it would have sampled anyway."""
+    """Greedy twice (the second pass from the prefix cache), then seeded. A verify row of one-hot drafts samples from
+    the request's distribution with the request's own draw, so accepted drafts are the tokens it would have sampled
+    anyway. A draft model's drafts for a seeded request are drawn from its distribution and verified by the rejection
+    rule: the same distribution, other draws (test_sampled_drafts_complete_and_seeded_runs_repeat)."""
     llm = LLM(llama_dir, speculative_config=speculating[proposer], **ENGINES[engine])
     records = Records(llm)
     assert completions(llm, GREEDY) == expected["greedy"]
     assert completions(llm, GREEDY) == expected["greedy"]
-    assert completions(llm, SEEDED * 2) == expected["seeded"]
+    seeded = completions(llm, SEEDED * 2)
+    if proposer == "ngram":
+        assert seeded == expected["seeded"]
+    else:
+        assert lengths(seeded) == lengths(expected["seeded"])
     accepted, proposed = records.total("num_accepted_tokens"), records.total("num_draft_tokens")
     assert 0 < accepted < proposed  # drafts were both kept and rejected
     if engine == "preempted":
@@ -169,9 +182,47 @@ def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_output_there(baseline, 
 
 
 def test_n_samples_each_speculate_on_their_own(baseline, self_drafting):
+    """Greedy samples equal those without speculation; seeded ones (sample i seeded seed + i, its drafts drawn from
+    a generator of its own) repeat their tokens, and differ from each other."""
     params = [SamplingParams(temperature=0, n=2, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=16, ignore_eos=True)] * 2  # fmt: skip
-    assert completions(self_drafting, params, PROMPTS[:4]) == completions(baseline, params, PROMPTS[:4])
+    outputs = completions(self_drafting, params, PROMPTS[:4])
+    assert outputs[::2] == completions(baseline, params, PROMPTS[:4])[::2]
+    assert outputs[1::2] == completions(self_drafting, params, PROMPTS[:4])[1::2]
+    assert all(first[0] != second[0] for first, second in outputs[1::2])
+
+
+def test_sampled_drafts_of_the_target_itself_are_all_but_always_accepted(self_drafting):
+    """The target as its own draft at temperature > 0: q is p (up to rounding), so the rejection rule keeps nearly
+    every draft (drafts of the argmax would be kept only as often as p gives the argmax)."""
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, max_tokens=16, ignore_eos=True),
+    ]
+    records = Records(self_drafting)
+    assert lengths(completions(self_drafting, params * 2, PROMPTS[:4])) == [[16]] * 4
+    proposed, accepted = records.total("num_draft_tokens"), records.total("num_accepted_tokens")
+    assert proposed > 0 and accepted >= 0.95 * proposed
+    with_logprobs = SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, logprobs=2)
+    for output in self_drafting.generate(PROMPTS[:2], with_logprobs, use_tqdm=False):  # each of the token kept
+        sample = output.outputs[0]
+        assert len(sample.logprobs) == 8 and all(t in p for t, p in zip(sample.token_ids, sample.logprobs))
+
+
+def test_sampled_drafts_complete_and_seeded_runs_repeat(llama_dir, near_draft_dir):
+    """A draft near the target, non-greedy requests on every sampler path: drafts are kept and rejected, every
+    request completes, no block stays held, and a second pass gives each seeded request its tokens again (its
+    drafts and its verify rows draw from generators of its own; prefix caching off, so the passes run alike)."""
+    llm = LLM(llama_dir, speculative_config=draft_config(near_draft_dir), enable_prefix_caching=False)
+    records = Records(llm)
+    unseeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, ignore_eos=True)
+    first = completions(llm, [*SEEDED, unseeded], PROMPTS[:5])
+    assert lengths(first) == [[16], [16], [16], [16, 16], [16]]
+    proposed, accepted = records.total("num_draft_tokens"), records.total("num_accepted_tokens")
+    assert 0 < accepted < proposed
+    assert records.total("num_drafts") <= proposed <= 3 * records.total("num_drafts")  # k = 3
+    assert completions(llm, SEEDED, PROMPTS[:4]) == first[:4]
+    llm.shutdown()
 
 
 def test_logprobs_of_accepted_drafts_are_their_rows(baseline, self_drafting):
