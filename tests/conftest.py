@@ -4,14 +4,41 @@ reference (transformers' GGUF loader takes half a minute on two cores, so once p
 default model, shared by the server tests that need it (a start takes 20-30 s on two cores).
 
 No model hub is reachable, so the tokenizer is a byte-level BPE trained here on a few sentences.
+
+The README's test command runs two pytest-xdist workers (`-n 2`, one per core of a 2-core machine; `--dist loadgroup`
+from pyproject.toml). Each worker and every process it starts computes on one thread: two workers that each used
+both cores would oversubscribe them, and OpenMP's spinning threads make that far slower than one thread each. A
+file's tests run in one worker, so that its module fixtures start once; the tests that share the session's
+default-model fixtures (its server, its transformers reference) all run in one worker, so that those start once too.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+import os
+
+UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if UNDER_XDIST:  # before torch and numpy are imported: their thread pools read these once
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+if UNDER_XDIST:
+    torch.set_num_threads(1)  # in case a plugin imported torch before the variables above were set
+
+SHARED_DEFAULT_MODEL = {"default_server", "default_reference"}  # session fixtures worth starting once
+
+
+def pytest_collection_modifyitems(items):
+    """xdist groups (--dist loadgroup): the tests of one file run in one worker, so that its module fixtures start
+    once; the tests that use the default model's shared fixtures, in whichever file, all in one worker."""
+    for item in items:
+        shared = SHARED_DEFAULT_MODEL & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("default_model" if shared else item.nodeid.split("::")[0]))
+
 
 VOCAB_SIZE = 384
 CORPUS = [

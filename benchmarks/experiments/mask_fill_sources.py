@@ -69,13 +69,15 @@ def main() -> None:
         yield "serial", lambda: fill_rows(matchers, range(args.rows))
         pairs = [(matcher, index) for index, matcher in enumerate(matchers)]
         for threads, executor in executors.items():
-            yield f"executor {threads}", lambda e=executor: e.unsafe_compute_mask_ptr(
-                pairs, bitmask.ctypes.data, words * 4, args.rows
+            yield (
+                f"executor {threads}",
+                lambda e=executor: e.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, args.rows),
             )
         for threads, pool in pools.items():
             parts = np.array_split(np.arange(args.rows), threads)
-            yield f"threads {threads}", lambda p=pool, parts=parts: list(
-                p.map(lambda rows: fill_rows(matchers, rows), parts)
+            yield (
+                f"threads {threads}",
+                lambda p=pool, parts=parts: list(p.map(lambda rows: fill_rows(matchers, rows), parts)),
             )
 
     print(f"{args.rows} rows; building a matcher from the grammar text: {1e3 * build_s:.2f} ms each")

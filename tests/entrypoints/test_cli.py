@@ -54,17 +54,12 @@ def test_the_parser_and_every_help_import_nothing_heavy():
     assert result.stdout.strip() == "[]"
 
 
-def test_generate_two_prompts(llama_dir):
-    result = pagedllm("generate", "The quick brown", "Paris is", "--model", llama_dir, "--max-tokens", "5")
-    assert result.returncode == 0, result.stderr
-    assert "--- [0] The quick brown" in result.stdout and "--- [1] Paris is" in result.stdout
-
-
-def test_generate_with_an_fp8_kv_cache(llama_dir):
+def test_generate_two_prompts_with_an_fp8_kv_cache(llama_dir):
     result = pagedllm(
-        "generate", "The quick brown", "--model", llama_dir, "--max-tokens", "3", "--kv-cache-dtype", "fp8"
+        "generate", "The quick brown", "Paris is", "--model", llama_dir, "--max-tokens", "5", "--kv-cache-dtype", "fp8"
     )
     assert result.returncode == 0, result.stderr
+    assert "--- [0] The quick brown" in result.stdout and "--- [1] Paris is" in result.stdout
     assert "GiB, fp8)" in result.stderr  # the start-up log line names the cache dtype
 
 
@@ -77,15 +72,9 @@ def test_generate_from_file(llama_dir, tmp_path):
 
 
 def test_chat_message_on_the_default_model():
-    result = pagedllm("chat", "--message", "What is the capital of France?", "--max-tokens", "32")
-    assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
-
-
-def test_chat_with_max_model_len():
     """chat takes every engine flag (tests/entrypoints/test_engine_args.py); here one it lacked before, for real."""
     result = pagedllm(
-        "chat", "--message", "What is the capital of France?", "--max-tokens", "8", "--max-model-len", "2048"
+        "chat", "--message", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "2048"
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
@@ -214,12 +203,25 @@ def test_chat_commands_are_not_sent_and_exit_ends_the_chat(llama_dir):
     assert result.stdout.count("> ") == 3  # /help, /reset, exit: the chat ends there
 
 
-def test_an_empty_answer_of_a_chat_model_points_to_chat():
+@pytest.fixture(scope="module")
+def default_llm():
+    """The default model's LLM, as `pagedllm` makes it without flags, for the tests that call cli.main in process."""
+    from pagedllm import LLM
+
+    llm = LLM()
+    yield llm
+    llm.shutdown()
+
+
+def test_an_empty_answer_of_a_chat_model_points_to_chat(default_llm, monkeypatch, capsys):
     """The default model is a chat model: on this raw prompt it ends at once (greedy, so every time)."""
-    result = pagedllm("generate", "Write a short story about a robot.", "--max-tokens", "16")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
-    assert 'try `pagedllm chat --message "..."`' in result.stderr
+    from pagedllm.entrypoints import cli
+
+    monkeypatch.setattr(cli, "make_llm", lambda args: default_llm)
+    assert cli.main(["generate", "Write a short story about a robot.", "--max-tokens", "16"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == ""
+    assert 'try `pagedllm chat --message "..."`' in captured.err
 
 
 def test_version_and_python_dash_m():
@@ -275,19 +277,16 @@ def test_chat_samples_with_the_models_generation_config_else_its_own_defaults():
     assert sampling_params(chat_args("--message", "hi", "--seed", "7"), {}).seed == 7
 
 
-def test_chat_message_gives_the_same_answer_each_time(monkeypatch, capsys):
+def test_chat_message_gives_the_same_answer_each_time(default_llm, monkeypatch, capsys):
     """The default model has no generation_config: chat samples with CHAT_SAMPLING, seeded by --seed."""
-    from pagedllm import LLM
     from pagedllm.entrypoints import cli
 
-    llm = LLM()
-    monkeypatch.setattr(cli, "make_llm", lambda args: llm)
+    monkeypatch.setattr(cli, "make_llm", lambda args: default_llm)
     answers = []
     for _ in range(2):
         assert cli.main(["chat", "--message", "Tell me a story about a dragon.", "--max-tokens", "24"]) == 0
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1] and len(answers[0].split()) > 5
-    llm.shutdown()
 
 
 def test_chat_in_a_terminal_recalls_history_and_takes_its_commands(llama_dir):
