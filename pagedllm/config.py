@@ -237,11 +237,6 @@ class SpeculativeConfig:
         """What the engine cannot speculate with yet: a ValueError saying what to change."""
         if self.method == "draft_model" and config.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only")
-        if self.method == "draft_model" and config.device.type == "cuda":
-            raise ValueError(
-                "speculative_config: the draft model runs on CPU only for now (on CUDA its memory is not set aside "
-                "and its steps are not captured as graphs); use method 'ngram' on a GPU"
-            )
 
 
 @dataclass(frozen=True, slots=True)

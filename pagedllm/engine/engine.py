@@ -103,7 +103,10 @@ class LLMEngine:
         # Speculative decoding: a draft model is checked before anything starts, and loaded once the cache is sized.
         self.speculator = make_speculator(resolved, self.spec, self.tokenizer)
         # Under torchrun, on ranks other than 0 make_executor serves rank 0 and exits the process.
-        self.worker = executor if executor is not None else make_executor(resolved, self.spec, checkpoint)
+        if executor is None:  # the target's cache leaves a draft model its share
+            companion = self.speculator.memory() if self.speculator is not None else None
+            executor = make_executor(resolved, self.spec, checkpoint, companion)
+        self.worker = executor
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.config import ResolvedConfig
 from pagedllm.executor.executor import Executor
+from pagedllm.executor.kv_cache import CompanionMemory
 from pagedllm.executor.plan_broadcast import PlanSender
 from pagedllm.executor.ranks import (
     STOP_TIMEOUT_S,
@@ -41,10 +42,13 @@ from pagedllm.logger import logger
 from pagedllm.models.spec import DecoderSpec
 
 
-def make_executor(resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint) -> Executor:
-    """A Worker for one rank; for several, checks that they can work before any process starts."""
+def make_executor(
+    resolved: ResolvedConfig, spec: DecoderSpec, checkpoint: Checkpoint, companion: CompanionMemory | None = None
+) -> Executor:
+    """A Worker for one rank; for several, checks that they can work before any process starts. companion: what a
+    draft model will take beside the cache (one rank only: SpeculativeConfig.check_engine)."""
     if resolved.config.tensor_parallel_size == 1:
-        return start_worker(resolved, checkpoint)
+        return start_worker(resolved, checkpoint, companion=companion)
     check_tensor_parallel(resolved.config, spec, resolved.device)
     return DistributedExecutor(resolved, checkpoint)
 

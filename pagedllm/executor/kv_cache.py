@@ -48,6 +48,16 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_DTYPE if kv_cache_dtype == "fp8" else model_dtype
 
 
+@dataclass(frozen=True, slots=True)
+class CompanionMemory:
+    """Device memory another model of this process takes beside the engine's (a draft model): per block of the
+    engine's block count, whose KV cache it mirrors, and once (its weights). The engine's cache leaves both free, and
+    the companion's activations as much room as the engine's own warm-up peak (a draft is the smaller model)."""
+
+    block_bytes: int
+    fixed_bytes: int
+
+
 def kv_block_bytes(
     spec: DecoderSpec, block_size: int, dtype: torch.dtype, tp_size: int, kv_cache_dtype: str = "auto"
 ) -> int:

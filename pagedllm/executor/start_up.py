@@ -18,6 +18,7 @@ from pagedllm.attention.selector import create_backend
 from pagedllm.config import ResolvedConfig
 from pagedllm.executor.cuda_graphs import DecodeGraphs, PrefillGraphs
 from pagedllm.executor.kv_cache import (
+    CompanionMemory,
     KVCache,
     allocate_kv_cache,
     bind_kv_cache,
@@ -50,11 +51,12 @@ def start_worker(
     checkpoint: Checkpoint | None = None,
     tp: TensorParallelGroup = SINGLE_RANK,
     device: torch.device | None = None,
+    companion: CompanionMemory | None = None,
 ) -> Worker:
     """A Worker ready for its first plan. resolved: the engine's settings and kernel choices, resolved once on rank
     0; every rank runs them. checkpoint: already opened by the caller (rank 0 reads config and tokenizer from it),
     else opened here. tp: this worker's rank and group; the model holds that rank's shard. device: this rank's
-    (resolved.device if None)."""
+    (resolved.device if None). companion: what a draft model loaded after it will take, left free by its cache."""
     free_dropped_engines()
     if checkpoint is None:
         checkpoint = open_checkpoint(
@@ -64,7 +66,7 @@ def start_worker(
     worker = Worker(resolved, DecoderSpec.from_hf_config(checkpoint.hf_config), tp, device or resolved.device)
     worker.model, worker.backend, worker.sampler = load_model(worker, checkpoint)
     warmup_peak = warm_up(worker)
-    worker.num_kv_blocks, worker.kv_cache = size_kv_cache(worker, warmup_peak)
+    worker.num_kv_blocks, worker.kv_cache = size_kv_cache(worker, warmup_peak, companion)
     if captures_graphs(worker):
         worker.prefill_graphs, worker.graphs = capture_graphs(worker)
     prime_first_request(worker)
@@ -121,17 +123,21 @@ def warm_up(worker: Worker) -> int:
     return measure_warmup_peak(worker.device, lambda: run_on_throwaway_cache(worker))
 
 
-def size_kv_cache(worker: Worker, warmup_peak: int) -> tuple[int, KVCache]:
+def size_kv_cache(worker: Worker, warmup_peak: int, companion: CompanionMemory | None = None) -> tuple[int, KVCache]:
     """How many blocks (the rank with the least room sets the number: every rank holds the same block ids), the
     cache allocated and bound to the attention layers, and the start-up line with the kernel choices. The cache
     leaves room for the warm-up's peak twice when graphs are captured: the prefill graphs keep a forward's
-    activations in their own memory pool, beside what the eager parts of a step (logits, sampler) allocate.
+    activations in their own memory pool, beside what the eager parts of a step (logits, sampler) allocate. A
+    companion (a draft model) gets its share: its blocks beside each of ours, its weights, and that room again.
     Order: after warm_up, because it needs the peak.
     Guard: tests/executor/test_kv_cache.py (the count), tests/executor/test_tensor_parallel.py (ranks agree)."""
     config = worker.config
     block_bytes = kv_block_bytes(worker.spec, config.block_size, worker.dtype, worker.tp.size, config.kv_cache_dtype)
     reserved = warmup_peak * (2 if captures_graphs(worker) else 1)
-    num_kv_blocks = choose_num_kv_blocks(config, block_bytes, worker.max_model_len, worker.device, reserved)
+    sized_bytes = block_bytes
+    if companion is not None:
+        reserved, sized_bytes = 2 * reserved + companion.fixed_bytes, block_bytes + companion.block_bytes
+    num_kv_blocks = choose_num_kv_blocks(config, sized_bytes, worker.max_model_len, worker.device, reserved)
     num_kv_blocks = worker.tp.min_over_ranks(num_kv_blocks)
     kv_cache = bind_new_kv_cache(worker, num_kv_blocks)
     start_up_log(worker)(

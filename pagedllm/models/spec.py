@@ -33,6 +33,15 @@ class DecoderSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
     sliding_window: int | None = None
 
+    def num_parameters(self) -> int:
+        """The model's parameters (an untied head counted beside the embedding; biases and norms included)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        attention += (q + 2 * kv) * self.qkv_bias + self.hidden_size * self.o_bias + 2 * self.head_dim * self.qk_norm
+        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + self.hidden_size
+
     @classmethod
     def from_hf_config(cls, config) -> DecoderSpec:
         architecture = supported_architecture(config)

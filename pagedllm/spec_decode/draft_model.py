@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from pagedllm.config import ResolvedConfig
+from pagedllm.executor.kv_cache import CompanionMemory, kv_block_bytes
 from pagedllm.executor.start_up import start_worker
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import SamplerRequest, StepPlan, StepSampling, block_table_array
@@ -57,7 +58,15 @@ class DraftModel:
             ) from None
         self.block_size = config.block_size
         self.vocab_size = draft_spec.vocab_size  # the target's (check_same_tokenizer)
+        self.spec = draft_spec
         self.worker: Worker | None = None
+
+    def memory(self) -> CompanionMemory:
+        """What the draft will take on the device beside the target's cache (start_worker's companion): a block of
+        its own KV beside each of the target's, and its weights (at the dtype it runs in)."""
+        resolved = self.resolved
+        block_bytes = kv_block_bytes(self.spec, self.block_size, resolved.dtype, 1, resolved.config.kv_cache_dtype)
+        return CompanionMemory(block_bytes, self.spec.num_parameters() * resolved.dtype.itemsize)
 
     def start(self, num_kv_blocks: int) -> None:
         """Load the draft, its KV cache as many blocks as the target's (num_kv_blocks)."""

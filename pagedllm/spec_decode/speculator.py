@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.config import ResolvedConfig, SpeculativeConfig
+from pagedllm.executor.kv_cache import CompanionMemory
 from pagedllm.executor.step_output import StepOutput
 from pagedllm.executor.step_plan import StepPlan
 from pagedllm.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -49,6 +50,10 @@ class Speculator:
         self.config = config
         self.draft = draft
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
+
+    def memory(self) -> CompanionMemory | None:
+        """What the draft model will take on the device beside the target's cache; None for n-gram lookup."""
+        return self.draft.memory() if self.draft is not None else None
 
     def start(self, num_kv_blocks: int) -> None:
         """Once the target's cache is sized: a draft model loads, with a KV cache of as many blocks."""
