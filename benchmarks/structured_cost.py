@@ -51,11 +51,10 @@ SCHEMAS = {"long-summary": SCHEMA, "free-notes": NOTES_SCHEMA}
 PROMPT = "Describe a person you know, as JSON with their name, age, tags and a long summary."
 
 
-def decode_step_ms(llm: LLM, batch_size: int, num_constrained: int, output_len: int, schema: dict = SCHEMA) -> float:
-    """The median time of the decode steps in which every row samples; the first num_constrained rows follow
-    schema."""
+def row_params(batch_size: int, num_constrained: int, output_len: int, schema: dict) -> list[SamplingParams]:
+    """Each row seeded, exactly output_len tokens; the first num_constrained rows follow schema."""
     constraint = StructuredOutputsParams(json=schema)
-    params = [
+    return [
         SamplingParams(
             temperature=0.8,
             seed=row,
@@ -65,13 +64,24 @@ def decode_step_ms(llm: LLM, batch_size: int, num_constrained: int, output_len: 
         )
         for row in range(batch_size)
     ]
+
+
+def recorded_generate(llm: LLM, params: list[SamplingParams], device_timings: bool = False) -> tuple[list, list]:
+    """PROMPT once per row: the outputs, and the record of every step (with device timings if asked)."""
     records = []
     engine = llm.llm_engine
-    engine.add_step_listener(records.append)
+    engine.add_step_listener(records.append, device_timings=device_timings)
     try:
-        outputs = llm.generate([PROMPT] * batch_size, params, use_tqdm=False)
+        outputs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
     finally:
         engine.remove_step_listener(records.append)
+    return outputs, records
+
+
+def decode_step_ms(llm: LLM, batch_size: int, num_constrained: int, output_len: int, schema: dict = SCHEMA) -> float:
+    """The median time of the decode steps in which every row samples; the first num_constrained rows follow
+    schema."""
+    outputs, records = recorded_generate(llm, row_params(batch_size, num_constrained, output_len, schema))
     assert all(len(output.outputs[0].token_ids) == output_len for output in outputs), "a row ended early"
     steps = [
         later.resolved_at - earlier.resolved_at

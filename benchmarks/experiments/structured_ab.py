@@ -18,32 +18,15 @@ import torch
 from transformers import AutoTokenizer
 
 import pagedllm
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm import LLM
 from pagedllm.entrypoints.bench_common import write_random_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from structured_cost import PROMPT, SCHEMAS  # noqa: E402
+from structured_cost import SCHEMAS, recorded_generate, row_params  # noqa: E402
 
 
 def run(llm, batch, constrained, output_len, schema):
-    constraint = StructuredOutputsParams(json=schema)
-    params = [
-        SamplingParams(
-            temperature=0.8,
-            seed=row,
-            max_tokens=output_len,
-            ignore_eos=True,
-            structured_outputs=constraint if row < constrained else None,
-        )
-        for row in range(batch)
-    ]
-    records = []
-    engine = llm.llm_engine
-    engine.add_step_listener(records.append, device_timings=True)
-    try:
-        llm.generate([PROMPT] * batch, params, use_tqdm=False)
-    finally:
-        engine.remove_step_listener(records.append)
+    _, records = recorded_generate(llm, row_params(batch, constrained, output_len, schema), device_timings=True)
     rows = []
     for earlier, later in zip(records, records[1:]):
         if later.num_decode_tokens == batch and later.num_prefill_tokens == 0:
