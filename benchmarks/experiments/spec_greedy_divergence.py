@@ -2,11 +2,11 @@
 prompts alone, greedy, with and without speculation; prints the prompts whose outputs differ and the first position
 where they do. With --quantization none the weights are float32; by default the GGUF blocks are kept in 4 bits.
 
-Found in session 18 (benchmarks/NOTES.md): with the blocks kept, 5 of 20 prompts differ (k = 3, 96 tokens); with
-float32 weights none. The int4 kernel is row-invariant, and chunked prefill changes nothing; what differs is the
-attention path: a verify step's rows go through the torch backend's per-sequence path (a prompt-shaped step), a
-plain run's through its batched decode path, whose float32 results differ in the last bits, and the int4 kernel's
-bfloat16 activations turn such bits into a different rounding now and then, which flips near-tied greedy tokens.
+Found in session 18 (benchmarks/NOTES.md, "Speculation changes greedy outputs"): with the blocks kept, 5 of 20
+prompts differ (k = 3, 96 tokens); with float32 weights none. The int4 kernel is row-invariant, and chunked prefill
+changes nothing. Below it: CPU SDPA's bits for a row depend on the key length it is padded to, so a row's attention
+output differs in the last bits between a verify step, a decode step alone and a decode step in a batch; the kept
+blocks' bfloat16 activations now and then round such bits differently, which flips near-tied greedy tokens.
 
     python benchmarks/experiments/spec_greedy_divergence.py [--k 3] [--max-tokens 96] [--quantization none]
 """
