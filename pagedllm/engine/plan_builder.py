@@ -121,18 +121,11 @@ def add_sampled_drafts(batch: SamplingBatch, owners: list[Sequence], offsets: li
             token_ids[index] = seq.draft_token_ids[offset]
             probs[index] = seq.draft_probs[offset]
     distribution = build_sampling_batch(
-        [distribution_only(owners[row].sampling_params) for row in rows], [owners[row].state_index for row in rows]
+        [owners[row].sampling_params.distribution_only() for row in rows], [owners[row].state_index for row in rows]
     )
     batch.sampled_drafts = SampledDrafts(np.array(rows, dtype=np.int64), token_ids, probs, distribution)
     # The rule's seeded rows draw from their generators: a rejected one is given back (StepSampling.generator_rewinds).
     batch.keep_generator_states |= distribution.seeded_rows is not None
-
-
-def distribution_only(params: SamplingParams) -> SamplingParams:
-    """What makes a row's sampling distribution of its processed logits, and its seed."""
-    return SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, seed=params.seed
-    )
 
 
 def prompt_logprob_spans(

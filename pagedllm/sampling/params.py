@@ -98,6 +98,13 @@ class SamplingParams:
             if value is not None and value > vocab_size:
                 raise ValueError(f"{name} must be in [0, {vocab_size}] (the vocabulary size) or None, got {value}")
 
+    def distribution_only(self) -> SamplingParams:
+        """The settings that make this request's sampling distribution of processed logits (temperature, top-p,
+        top-k, min-p) and its seed, without what shapes the logits or ends the output."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

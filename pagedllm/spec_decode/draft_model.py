@@ -137,10 +137,7 @@ def draft_params(params: SamplingParams) -> SamplingParams:
     if params.greedy:
         return GREEDY
     seed = None if params.seed is None else draft_seed(params.seed)
-    return SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        logit_bias=params.logit_bias, seed=seed,
-    )  # fmt: skip
+    return dataclasses.replace(params.distribution_only(), logit_bias=params.logit_bias, seed=seed)
 
 
 def draft_seed(seed: int) -> int:
