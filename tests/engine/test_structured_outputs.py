@@ -161,6 +161,29 @@ def test_constrained_steps_overlap_under_async_scheduling(llama_dir, plain):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_aborting_a_constrained_request_mid_run_leaves_the_others_as_alone(llama_dir, plain, async_scheduling):
+    """Constrained requests decode side by side (overlapped under async scheduling, where the one aborted may be in
+    a step in flight and in the next step's masks); one is aborted after a few steps and another arrives then: the
+    others' tokens are those of the run without them, and every block is free at the end."""
+    llm = LLM(llama_dir, max_model_len=256, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    kept, aborted, late = [0, 4, 8], 1, 2  # JSON requests, a regex one aborted, a choice one arriving late
+    for index in [*kept, aborted]:
+        engine.add_request(str(index), prompt(index), params(index))
+    finished = {}
+    for step in range(40):
+        if step == 3:
+            engine.abort_request(str(aborted))
+            engine.add_request(str(late), prompt(late), params(late))
+        finished |= {out.request_id: [list(s.token_ids) for s in out.outputs] for out in engine.step() if out.finished}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: [list(s.token_ids) for s in out.outputs] for out in engine.step() if out.finished}
+    assert str(aborted) not in finished
+    assert {index: finished[str(index)] for index in [*kept, late]} == {index: plain[index] for index in [*kept, late]}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preempted_sequences_keep_their_matchers(llama_dir, plain, async_scheduling):
     """A cache that holds the prompts but not their outputs: sequences are preempted and recomputed."""
     indices = list(range(0, 32, 4))  # JSON, the longest outputs: each grows past its prompt's blocks
