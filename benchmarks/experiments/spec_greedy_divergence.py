@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--quantization", default="auto", help="auto keeps the GGUF blocks; none dequantizes")
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -26,6 +27,9 @@ class AttentionMetadata:
     max_seq_len: int
     # True when every sequence has exactly one new token (the decode fast path that CUDA graphs capture).
     decode_only: bool
+    # [num_seqs] on the host, or None: 1 where the sequence's new tokens are past its prompt (decode or verify rows),
+    # which the torch backend attends row by row; None: every sequence as a prompt chunk unless decode_only.
+    decoding: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

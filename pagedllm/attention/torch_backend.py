@@ -1,8 +1,19 @@
 """Reference attention backend in plain PyTorch: runs on CPU and GPU, for any mix of prefill, chunks and decode.
 
-Decode steps gather every sequence's cached K/V through its block table into one padded
-[num_seqs, max_seq_len] batch for a single masked SDPA call; steps with longer queries attend sequence by
-sequence, so a short prompt beside a long one costs no padding.
+The rows of decoding sequences (decode rows, speculative verify rows: past the prompt, at most ROW_WISE_MAX_QUERY
+new tokens; AttentionMetadata.decoding) attend one row at a time: every such row of the step is one batch entry of a
+single SDPA call, its query alone over its sequence's cached K/V gathered through the block table and padded to a
+multiple of KEY_PAD keys. Prompt chunks attend sequence by sequence, so a short prompt beside a long one costs no
+padding.
+
+Invariant: a decoding row's output has the same bits whatever else the step holds (other sequences, their lengths,
+the other rows of its own verify query, prompts beside it). CPU SDPA gives a row other bits when its query block
+holds more rows or when its keys are padded to another length inside a 512-key tile (benchmarks/NOTES.md,
+"Speculation changes greedy outputs"); one row per entry and whole tiles of keys leave it nothing to vary. That is
+what makes greedy speculation equal greedy decoding and batch composition change nothing on models whose layers
+round activations to bfloat16 (the default model's kept GGUF blocks), where a last-bit difference can flip a
+near-tied token. A prompt chunk's rows still depend on the chunk (its row count): another chunking, or a cached
+prefix, can change them in the last bits.
 """
 
 from __future__ import annotations
@@ -38,10 +49,21 @@ def store_kv_cache(
             scales[slots // block_size, :, slots % block_size] = row_scales
 
 
+# Longest query (new tokens of one sequence in a step) that attends row by row: covers decode and verify steps
+# (num_speculative_tokens + 1); longer ones are prompt chunks.
+ROW_WISE_MAX_QUERY = 16
+# CPU SDPA folds keys in tiles of 512 (its kv split): keys padded to whole tiles give a row the same reduction order
+# for any padding, since a fully masked tile adds exact zeros.
+KEY_PAD = 512
+
+
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] -> [num_seqs, max_seq_len, H, D], positions in order through the block table."""
+    """[num_blocks, block_size, H, D] -> [num_seqs, max_seq_len, H, D], positions in order through the block table.
+    Positions past a table's width read block 0 (the caller masks them)."""
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks_needed = -(-max_seq_len // block_size)
+    if num_blocks_needed > block_tables.shape[1]:
+        block_tables = F.pad(block_tables, (0, num_blocks_needed - block_tables.shape[1]))
     block_ids = block_tables[:, :num_blocks_needed].reshape(-1).long()
     context = cache.index_select(0, block_ids)  # index_select copies far faster than cache[tables] on CPU
     return context.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
@@ -68,17 +90,24 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
-    attend = batched_paged_attention if metadata.decode_only else per_sequence_paged_attention
-    return attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
-
-
-def per_sequence_paged_attention(query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale, v_scale):
+    kv = (k_cache, v_cache, k_scale, v_scale)
+    if metadata.decode_only:  # one row per sequence, its visible length the sequence's; no host sync
+        seq_lens = metadata.seq_lens.long()
+        return row_wise_attention(query, metadata.block_tables, None, seq_lens, metadata.max_seq_len, kv, scale)
     out = torch.empty_like(query)
     query_start = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
+    decoding = metadata.decoding
+    short_rows, short_positions, short_entries, short_seqs = [], [], [], []
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start[index], query_start[index + 1]
         if start == end:  # an empty padding sequence (a step padded to a graph's shapes)
+            continue
+        if end - start <= ROW_WISE_MAX_QUERY and decoding is not None and decoding[index]:
+            short_rows.extend(range(start, end))
+            short_positions.extend(range(seq_len - (end - start), seq_len))
+            short_entries.extend([len(short_seqs)] * (end - start))
+            short_seqs.append(index)
             continue
         table = metadata.block_tables[index : index + 1]
         keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
@@ -89,40 +118,37 @@ def per_sequence_paged_attention(query, k_cache, v_cache, metadata: AttentionMet
             query[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         )
         out[start:end] = attended.transpose(0, 1)
+    if short_rows:
+        device = query.device
+        rows = torch.tensor(short_rows, device=device)
+        tables = metadata.block_tables[torch.tensor(short_seqs, device=device)]
+        entries = None if len(short_seqs) == len(short_rows) else torch.tensor(short_entries, device=device)
+        visible_lens = torch.tensor(short_positions, device=device) + 1
+        max_visible = max(short_positions) + 1
+        out[rows] = row_wise_attention(query[rows], tables, entries, visible_lens, max_visible, kv, scale)
     return out
 
 
-def batched_paged_attention(query, k_cache, v_cache, metadata: AttentionMetadata, scale, k_scale, v_scale):
-    num_tokens = query.shape[0]
-    num_seqs, max_q, max_k = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
-    device = query.device
-    query_start = metadata.query_start_loc.long()
-    query_lens = query_start[1:] - query_start[:-1]
-    seq_lens = metadata.seq_lens.long()
-
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens)
-    token_row = torch.arange(num_tokens, device=device) - query_start[token_seq]
-    padded_query = query.new_zeros(num_seqs, max_q, *query.shape[1:])
-    padded_query[token_seq, token_row] = query
-
-    key_pos = torch.arange(max_k, device=device)
-    in_context = key_pos[None] < seq_lens[:, None]  # [num_seqs, max_k]
-    # Slots past a sequence's end hold stale but finite values (the cache starts zeroed): the mask hides them.
-    keys = gather_kv(k_cache, k_scale, metadata.block_tables, max_k, query.dtype)
-    values = gather_kv(v_cache, v_scale, metadata.block_tables, max_k, query.dtype)
-
-    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None]  # [num_seqs, max_q]
-    visible = (key_pos[None, None] <= query_pos[:, :, None]) & in_context[:, None]
-
+def row_wise_attention(query, block_tables, row_entries, visible_lens, max_visible: int, kv, scale):
+    """query [rows, H, D]: row r attends, alone in its SDPA batch entry (the module's invariant), to the first
+    visible_lens[r] keys of the sequence whose table is block_tables[row_entries[r]] (row_entries None: row r's
+    table is row r). Each table's keys are gathered once, padded to whole KEY_PAD tiles."""
+    k_cache, v_cache, k_scale, v_scale = kv
+    key_len = KEY_PAD * -(-max_visible // KEY_PAD)
+    keys = gather_kv(k_cache, k_scale, block_tables, key_len, query.dtype)  # [tables, key_len, kv_heads, dim]
+    values = gather_kv(v_cache, v_scale, block_tables, key_len, query.dtype)
+    if row_entries is not None:  # the rows of one verify query share their sequence's keys
+        keys, values = keys[row_entries], values[row_entries]
+    visible = torch.arange(key_len, device=query.device)[None] < visible_lens[:, None]  # [rows, key_len]
     out = F.scaled_dot_product_attention(
-        padded_query.transpose(1, 2),
+        query[:, :, None],
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=visible[:, None],
+        attn_mask=visible[:, None, None],
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2)[token_seq, token_row]
+    return out[:, :, 0]
 
 
 class TorchAttentionBackend:

@@ -219,6 +219,7 @@ def build_step_plan(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc.astype(np.int32),
         seq_lens=seq_lens.astype(np.int32),
+        decoding=np.array([s >= seq.num_prompt_tokens for seq, s in zip(seqs, starts)], np.int32),
         block_tables=block_tables,
         sample_rows=sample_rows.astype(np.int64),
         max_query_len=int(num_new.max()),

@@ -41,6 +41,7 @@ def attention_metadata(arrays: dict[str, torch.Tensor], tables: torch.Tensor, pl
         max_query_len=plan.max_query_len,
         max_seq_len=plan.max_seq_len,
         decode_only=plan.decode_only,
+        decoding=plan.decoding if len(plan.decoding) else None,
     )
 
 

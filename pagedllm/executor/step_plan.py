@@ -75,6 +75,9 @@ class StepPlan:
     slot_mapping: np.ndarray = plan_array(np.int64, TOKENS, pad=-1)
     query_start_loc: np.ndarray = plan_array(np.int32, QUERY_STARTS)
     seq_lens: np.ndarray = plan_array(np.int32, SEQS)  # context length after this step; 0 for padding sequences
+    # Each sequence: 1 when its new tokens are past its prompt (decode or verify rows), 0 in a prompt chunk. The torch
+    # attention backend attends a decoding sequence's rows one at a time (attention/torch_backend.py's invariant).
+    decoding: np.ndarray = plan_array(np.int32, SEQS, upload=False)
     # As wide as the plan's longest, which may be narrower than the buffers' rows: the columns past it keep earlier
     # steps' block ids. Kernels read a row only up to its seq_len, and the torch backend masks what it gathers past
     # it; every value ever written is a valid block id.
