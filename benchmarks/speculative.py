@@ -150,7 +150,7 @@ def measure_cost(k: int, batch: int = 1, rounds: int = 8) -> None:
     """Step time of `batch` sequences of 1 + m tokens each against a plain decode step (drafts always rejected,
     back-off off): the median over 32 steps, each m once a round, interleaved; the fastest round's (the least
     disturbed)."""
-    backoff.observe = lambda seq, num_proposed, num_accepted: None  # never pause: every step verifies m drafts
+    backoff.observe = lambda *args: None  # never pause: every step verifies m drafts
     engines = [LLM()] + [
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": m}) for m in range(1, k + 1)
     ]

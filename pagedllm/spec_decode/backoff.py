@@ -1,15 +1,17 @@
 """Who speculates: a request whose drafts are seldom accepted stops for a while, and a large batch does not.
 
-A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. On the
-default model on CPU, one sequence, a step of 1 + m tokens took 1 + VERIFY_COST + DRAFT_COST * m decode steps' time
-(a least-squares line through m = 1..8 of `python benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md):
-the extra rows turn the projections' matrix-vector products into matrix products. Accepting a of m drafts saves a
-decode steps, so a verify pays when a > VERIFY_COST + DRAFT_COST * m. Over a window of a request's last WINDOW
-verify steps, fewer accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row
-that proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
-synchronous). A pause lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps
-scheduled ahead without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries
-again with an empty window. Larger batches cost more per draft (at 8 sequences a draft cost 0.4 decode steps): above
+A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. Its cost
+is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM head
+run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
+benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md), float weights cost 0.55 for the first extra row and
+0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept in 4 bits 0.26 a
+draft from the first (the int4 kernel's work grows with its rows). Accepting a of m drafts saves a decode steps,
+so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW verify steps, fewer
+accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row that proposed nothing
+(lookups cost host time; under async scheduling a request that may speculate keeps steps synchronous). A pause
+lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps scheduled ahead
+without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries again with an
+empty window. Larger batches cost more per draft (at 8 sequences a draft cost 0.4 decode steps): above
 SpeculativeConfig.disable_by_batch_size running sequences none speculates.
 """
 
@@ -18,13 +20,34 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedllm.layers.kernel_choices import KernelChoices
 from pagedllm.scheduler.sequence import Sequence
 
 WINDOW = 8  # verify steps whose acceptance is judged together (and attempts without a proposal before a pause)
-VERIFY_COST = 0.55  # decode steps a verify step costs beyond its own, whatever its drafts
-DRAFT_COST = 0.05  # and per draft
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCost:
+    """Decode steps a verify step costs beyond its own: fixed whatever its drafts, and per_draft for each."""
+
+    fixed: float
+    per_draft: float
+
+    def break_even(self, window: deque[tuple[int, int]]) -> float:
+        """The accepted drafts that pay for the window's verify steps."""
+        return sum(self.fixed + self.per_draft * proposed for proposed, _ in window)
+
+
+FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
+INT4_BLOCKS = VerifyCost(0.0, 0.26)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
+
+
+def verify_cost(kernels: KernelChoices) -> VerifyCost:
+    """The cost of the kernels that run. Measured on CPU only: on a GPU the float line is kept (a verify step there
+    costs less, so back-off pauses sooner than it must, never later)."""
+    return INT4_BLOCKS if kernels.quantization == "gguf" else FLOAT_WEIGHTS
 
 
 @dataclass(slots=True)
@@ -48,7 +71,7 @@ def may_speculate(seq: Sequence) -> bool:
     return seq.speculation is None or seq.num_output_tokens >= seq.speculation.resume_at
 
 
-def observe(seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+def observe(seq: Sequence, num_proposed: int, num_accepted: int, cost: VerifyCost = FLOAT_WEIGHTS) -> None:
     """One attempt: num_proposed drafts (0: the proposer found none), num_accepted of them kept."""
     state = state_of(seq)
     if num_proposed == 0:
@@ -58,13 +81,8 @@ def observe(seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         return
     state.attempts_without_drafts = 0
     state.window.append((num_proposed, num_accepted))
-    if len(state.window) == WINDOW and sum(a for _, a in state.window) < break_even(state.window):
+    if len(state.window) == WINDOW and sum(a for _, a in state.window) < cost.break_even(state.window):
         pause(seq, state)
-
-
-def break_even(window: deque[tuple[int, int]]) -> float:
-    """The accepted drafts that pay for the window's verify steps."""
-    return sum(VERIFY_COST + DRAFT_COST * proposed for proposed, _ in window)
 
 
 def pause(seq: Sequence, state: SpeculationState) -> None:

@@ -46,9 +46,10 @@ class Verified:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None, cost=backoff.FLOAT_WEIGHTS):
         self.config = config
         self.draft = draft
+        self.cost = cost  # what a verify step costs with the target's kernels (back-off's break-even)
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
 
     def memory(self) -> CompanionMemory | None:
@@ -82,7 +83,7 @@ class Speculator:
             if drafts:
                 seq.draft_token_ids = drafts
             else:
-                backoff.observe(seq, 0, 0)
+                backoff.observe(seq, 0, 0, self.cost)
         return proposal
 
     def may_verify_soon(self, scheduler: Scheduler) -> bool:
@@ -112,7 +113,7 @@ class Speculator:
         seq.draft_probs = None  # verified: the drafts' distributions are not needed again
         tokens = accepted_tokens(sampled, drafts)
         if drafts:
-            backoff.observe(seq, len(drafts), len(tokens) - 1)
+            backoff.observe(seq, len(drafts), len(tokens) - 1, self.cost)
         return Verified(seq, len(drafts), tokens)
 
     def shutdown(self) -> None:
@@ -127,7 +128,8 @@ def make_speculator(resolved: ResolvedConfig, spec, tokenizer) -> Speculator | N
     config = resolved.speculative
     if config is None:
         return None
-    return Speculator(config, DraftModel(resolved, spec, tokenizer) if config.method == "draft_model" else None)
+    draft = DraftModel(resolved, spec, tokenizer) if config.method == "draft_model" else None
+    return Speculator(config, draft, backoff.verify_cost(resolved.kernels))
 
 
 def can_verify(seq: Sequence) -> bool:

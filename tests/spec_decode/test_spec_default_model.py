@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode import backoff
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import speculative  # noqa: E402  (its copy-heavy prompts: the workload where n-gram drafts are accepted)
@@ -51,6 +52,7 @@ def test_speculation_and_batch_composition_change_no_greedy_token(plain, prompts
     alone = [greedy_tokens(plain, [prompt])[0] for prompt in prompts[: len(DIVERGED_BEFORE)]]
     assert greedy_tokens(plain, prompts)[: len(alone)] == alone, "batched beside longer prompts"
     speculating = LLM(speculative_config=NGRAM, **ENGINE)
+    assert speculating.llm_engine.speculator.cost is backoff.INT4_BLOCKS  # back-off prices the kept blocks' verify
     accepted = []
     speculating.llm_engine.add_step_listener(lambda record: accepted.append(record.num_accepted_tokens))
     try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from pagedllm.layers.kernel_choices import KernelChoices
 from pagedllm.sampling.params import SamplingParams
 from pagedllm.scheduler.sequence import Sequence
 from pagedllm.spec_decode import backoff
@@ -69,16 +72,22 @@ def test_low_acceptance_over_a_window_pauses_a_request_longer_each_time():
     assert backoff.may_speculate(seq)
 
 
+@pytest.mark.parametrize("cost", [backoff.FLOAT_WEIGHTS, backoff.INT4_BLOCKS])
 @pytest.mark.parametrize("num_drafts", [1, 4, 8])
-def test_accepting_what_pays_for_the_verify_steps_keeps_speculating(num_drafts):
-    """A verify of m drafts costs VERIFY_COST + DRAFT_COST * m decode steps: one accepted draft each pays for it
-    (the costs are below 1), none does not."""
-    assert backoff.VERIFY_COST + backoff.DRAFT_COST * num_drafts < 1
+def test_accepting_what_pays_for_the_verify_steps_keeps_speculating(cost, num_drafts):
+    """A verify of m drafts costs cost.fixed + cost.per_draft * m decode steps: accepting one draft more than that
+    each time keeps a request speculating, one fewer pauses it."""
+    price = cost.fixed + cost.per_draft * num_drafts
     paying, losing = sequence(0), sequence(0)
     for _ in range(3 * backoff.WINDOW):
-        backoff.observe(paying, num_drafts, 1)
-        backoff.observe(losing, num_drafts, 0)
+        backoff.observe(paying, num_drafts, min(num_drafts, math.floor(price) + 1), cost)
+        backoff.observe(losing, num_drafts, math.ceil(price) - 1, cost)
     assert backoff.may_speculate(paying) and not backoff.may_speculate(losing)
+
+
+def test_the_cost_follows_the_kernels_that_run():
+    assert backoff.verify_cost(KernelChoices(quantization="gguf")) is backoff.INT4_BLOCKS
+    assert backoff.verify_cost(KernelChoices(linear="onednn")) is backoff.FLOAT_WEIGHTS
 
 
 def test_attempts_without_drafts_pause_too():
