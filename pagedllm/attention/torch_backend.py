@@ -1,10 +1,10 @@
 """Reference attention backend in plain PyTorch: runs on CPU and GPU, for any mix of prefill, chunks and decode.
 
 The rows of decoding sequences (decode rows, speculative verify rows: past the prompt, at most ROW_WISE_MAX_QUERY
-new tokens; AttentionMetadata.decoding) attend one row at a time: every such row of the step is one batch entry of a
-single SDPA call, its query alone over its sequence's cached K/V gathered through the block table and padded to a
-multiple of KEY_PAD keys. Prompt chunks attend sequence by sequence, so a short prompt beside a long one costs no
-padding.
+new tokens; AttentionMetadata.decoding) attend one row at a time: each such row is one batch entry of an SDPA call,
+its query alone over its sequence's cached K/V gathered through the block table and padded to a multiple of
+KEY_PAD keys (rows that need the same number of tiles share a call). Prompt chunks attend sequence by sequence, so a
+short prompt beside a long one costs no padding.
 
 Invariant: a decoding row's output has the same bits whatever else the step holds (other sequences, their lengths,
 the other rows of its own verify query, prompts beside it). CPU SDPA gives a row other bits when its query block
@@ -91,14 +91,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
     kv = (k_cache, v_cache, k_scale, v_scale)
-    if metadata.decode_only:  # one row per sequence, its visible length the sequence's; no host sync
+    if metadata.decode_only:  # one row per sequence, its visible length the sequence's
         seq_lens = metadata.seq_lens.long()
-        return row_wise_attention(query, metadata.block_tables, None, seq_lens, metadata.max_seq_len, kv, scale)
+        if query.device.type != "cpu":  # no host sync: CUDA graphs may capture this path (the fallback backend)
+            return attend_rows(query, metadata.block_tables, seq_lens, whole_tiles(metadata.max_seq_len), kv, scale)
+        return row_wise_attention(query, metadata.block_tables, seq_lens, kv, scale)
     out = torch.empty_like(query)
     query_start = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     decoding = metadata.decoding
-    short_rows, short_positions, short_entries, short_seqs = [], [], [], []
+    short_rows, short_positions, short_seqs = [], [], []
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start[index], query_start[index + 1]
         if start == end:  # an empty padding sequence (a step padded to a graph's shapes)
@@ -106,8 +108,7 @@ def paged_attention(
         if end - start <= ROW_WISE_MAX_QUERY and decoding is not None and decoding[index]:
             short_rows.extend(range(start, end))
             short_positions.extend(range(seq_len - (end - start), seq_len))
-            short_entries.extend([len(short_seqs)] * (end - start))
-            short_seqs.append(index)
+            short_seqs.extend([index] * (end - start))
             continue
         table = metadata.block_tables[index : index + 1]
         keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
@@ -121,24 +122,35 @@ def paged_attention(
     if short_rows:
         device = query.device
         rows = torch.tensor(short_rows, device=device)
-        tables = metadata.block_tables[torch.tensor(short_seqs, device=device)]
-        entries = None if len(short_seqs) == len(short_rows) else torch.tensor(short_entries, device=device)
+        tables = metadata.block_tables[torch.tensor(short_seqs, device=device)]  # a table row for each row
         visible_lens = torch.tensor(short_positions, device=device) + 1
-        max_visible = max(short_positions) + 1
-        out[rows] = row_wise_attention(query[rows], tables, entries, visible_lens, max_visible, kv, scale)
+        out[rows] = row_wise_attention(query[rows], tables, visible_lens, kv, scale)
     return out
 
 
-def row_wise_attention(query, block_tables, row_entries, visible_lens, max_visible: int, kv, scale):
-    """query [rows, H, D]: row r attends, alone in its SDPA batch entry (the module's invariant), to the first
-    visible_lens[r] keys of the sequence whose table is block_tables[row_entries[r]] (row_entries None: row r's
-    table is row r). Each table's keys are gathered once, padded to whole KEY_PAD tiles."""
+def whole_tiles(num_keys: int) -> int:
+    return KEY_PAD * -(-num_keys // KEY_PAD)
+
+
+def row_wise_attention(query, row_tables, visible_lens, kv, scale):
+    """query [rows, H, D]: row r attends to the first visible_lens[r] keys through block table row_tables[r]. Rows
+    are grouped by the key tiles they need, so a short row beside a long one gathers its own tiles only."""
+    key_lens = [whole_tiles(n) for n in visible_lens.tolist()]
+    if min(key_lens) == max(key_lens):
+        return attend_rows(query, row_tables, visible_lens, key_lens[0], kv, scale)
+    out = torch.empty_like(query)
+    for key_len in sorted(set(key_lens)):
+        rows = torch.tensor([r for r, n in enumerate(key_lens) if n == key_len], device=query.device)
+        out[rows] = attend_rows(query[rows], row_tables[rows], visible_lens[rows], key_len, kv, scale)
+    return out
+
+
+def attend_rows(query, row_tables, visible_lens, key_len: int, kv, scale):
+    """Each row alone in its SDPA batch entry (the module's invariant), over key_len keys (whole KEY_PAD tiles)
+    gathered through its table row, the first visible_lens[r] of them visible."""
     k_cache, v_cache, k_scale, v_scale = kv
-    key_len = KEY_PAD * -(-max_visible // KEY_PAD)
-    keys = gather_kv(k_cache, k_scale, block_tables, key_len, query.dtype)  # [tables, key_len, kv_heads, dim]
-    values = gather_kv(v_cache, v_scale, block_tables, key_len, query.dtype)
-    if row_entries is not None:  # the rows of one verify query share their sequence's keys
-        keys, values = keys[row_entries], values[row_entries]
+    keys = gather_kv(k_cache, k_scale, row_tables, key_len, query.dtype)  # [rows, key_len, kv_heads, dim]
+    values = gather_kv(v_cache, v_scale, row_tables, key_len, query.dtype)
     visible = torch.arange(key_len, device=query.device)[None] < visible_lens[:, None]  # [rows, key_len]
     out = F.scaled_dot_product_attention(
         query[:, :, None],
