@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.layers.kernel_choices import KernelChoices
 from pagedllm.scheduler.sequence import Sequence
 
 WINDOW = 8  # verify steps whose acceptance is judged together (and attempts without a proposal before a pause)
@@ -44,10 +43,11 @@ FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
 INT4_BLOCKS = VerifyCost(0.0, 0.26)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
 
 
-def verify_cost(kernels: KernelChoices) -> VerifyCost:
-    """The cost of the kernels that run. Measured on CPU only: on a GPU the float line is kept (a verify step there
-    costs less, so back-off pauses sooner than it must, never later)."""
-    return INT4_BLOCKS if kernels.quantization == "gguf" else FLOAT_WEIGHTS
+def verify_cost(quantization: str | None) -> VerifyCost:
+    """The cost of the linear layers' weight format that runs (KernelChoices.quantization). Measured on CPU only: on
+    a GPU the float line is kept (a verify step there costs less, so back-off pauses sooner than it must, never
+    later)."""
+    return INT4_BLOCKS if quantization == "gguf" else FLOAT_WEIGHTS
 
 
 @dataclass(slots=True)

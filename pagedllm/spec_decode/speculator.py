@@ -129,7 +129,7 @@ def make_speculator(resolved: ResolvedConfig, spec, tokenizer) -> Speculator | N
     if config is None:
         return None
     draft = DraftModel(resolved, spec, tokenizer) if config.method == "draft_model" else None
-    return Speculator(config, draft, backoff.verify_cost(resolved.kernels))
+    return Speculator(config, draft, backoff.verify_cost(resolved.kernels.quantization))
 
 
 def can_verify(seq: Sequence) -> bool:

@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from pagedllm.layers.kernel_choices import KernelChoices
 from pagedllm.sampling.params import SamplingParams
 from pagedllm.scheduler.sequence import Sequence
 from pagedllm.spec_decode import backoff
@@ -86,8 +85,9 @@ def test_accepting_what_pays_for_the_verify_steps_keeps_speculating(cost, num_dr
 
 
 def test_the_cost_follows_the_kernels_that_run():
-    assert backoff.verify_cost(KernelChoices(quantization="gguf")) is backoff.INT4_BLOCKS
-    assert backoff.verify_cost(KernelChoices(linear="onednn")) is backoff.FLOAT_WEIGHTS
+    assert backoff.verify_cost("gguf") is backoff.INT4_BLOCKS  # KernelChoices.quantization
+    assert backoff.verify_cost(None) is backoff.FLOAT_WEIGHTS
+    assert backoff.verify_cost("fp8_rows") is backoff.FLOAT_WEIGHTS
 
 
 def test_attempts_without_drafts_pause_too():
