@@ -65,13 +65,13 @@ def main() -> None:
             for tree in order:
                 result = run(getattr(args, tree), workload)
                 results[tree, workload].append(result)
-                print(f"round {round_index} {workload} {tree}: {result['tok_s']:.1f} tok/s (load {result['load']:.2f})")
+                print(f"round {round_index} {workload} {tree}: {result['tok_s']:.3g} tok/s (load {result['load']:.2f})")
     print("\n| workload | old tok/s | new tok/s | new / old | runs (load) |\n|---|---|---|---|---|")
     for workload in args.workloads:
         old, new = (statistics.median(r["tok_s"] for r in results[t, workload]) for t in ("old", "new"))
         each = [(t, r) for t in ("old", "new") for r in results[t, workload]]
-        runs = "; ".join(f"{t} {r['tok_s']:.1f} ({r['load']:.2f})" for t, r in each)
-        print(f"| {workload} | {old:.1f} | {new:.1f} | {new / old:.3f} | {runs} |")
+        runs = "; ".join(f"{t} {r['tok_s']:.3g} ({r['load']:.2f})" for t, r in each)
+        print(f"| {workload} | {old:.3g} | {new:.3g} | {new / old:.3f} | {runs} |")
 
 
 if __name__ == "__main__":
