@@ -111,16 +111,14 @@ def paged_attention(
             short_seqs.extend([index] * (end - start))
             continue
         table = metadata.block_tables[index : index + 1]
-        keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype).transpose(1, 2)  # [1, kv_heads, len, dim]
-        values = gather_kv(v_cache, v_scale, table, seq_len, query.dtype).transpose(1, 2)
+        keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
+        values = gather_kv(v_cache, v_scale, table, seq_len, query.dtype)[0].transpose(0, 1)
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         visible = torch.arange(seq_len, device=query.device)[None] <= query_pos[:, None]
-        # 4-D inputs: with 3-D ones CPU SDPA takes its math path (4.3x slower at 800 rows, benchmarks/NOTES.md).
         attended = F.scaled_dot_product_attention(
-            query[None, start:end].transpose(1, 2), keys, values, attn_mask=visible[None, None], scale=scale,
-            enable_gqa=True,
-        )  # fmt: skip
-        out[start:end] = attended[0].transpose(0, 1)
+            query[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attended.transpose(0, 1)
     if short_rows:
         device = query.device
         rows = torch.tensor(short_rows, device=device)
