@@ -92,10 +92,10 @@ def paged_attention(
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
     kv = (k_cache, v_cache, k_scale, v_scale)
     if metadata.decode_only:  # one row per sequence, its visible length the sequence's
-        seq_lens = metadata.seq_lens.long()
         if query.device.type != "cpu":  # no host sync: CUDA graphs may capture this path (the fallback backend)
-            return attend_rows(query, metadata.block_tables, seq_lens, whole_tiles(metadata.max_seq_len), kv, scale)
-        return row_wise_attention(query, metadata.block_tables, seq_lens, kv, scale)
+            key_len = whole_tiles(metadata.max_seq_len)
+            return attend_rows(query, metadata.block_tables, metadata.seq_lens.long(), key_len, kv, scale)
+        return row_wise_attention(query, metadata.block_tables, metadata.seq_lens.tolist(), kv, scale)
     out = torch.empty_like(query)
     query_start = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -123,8 +123,8 @@ def paged_attention(
         device = query.device
         rows = torch.tensor(short_rows, device=device)
         tables = metadata.block_tables[torch.tensor(short_seqs, device=device)]  # a table row for each row
-        visible_lens = torch.tensor(short_positions, device=device) + 1
-        out[rows] = row_wise_attention(query[rows], tables, visible_lens, kv, scale)
+        visible = [position + 1 for position in short_positions]
+        out[rows] = row_wise_attention(query[rows], tables, visible, kv, scale)
     return out
 
 
@@ -132,10 +132,11 @@ def whole_tiles(num_keys: int) -> int:
     return KEY_PAD * -(-num_keys // KEY_PAD)
 
 
-def row_wise_attention(query, row_tables, visible_lens, kv, scale):
-    """query [rows, H, D]: row r attends to the first visible_lens[r] keys through block table row_tables[r]. Rows
-    are grouped by the key tiles they need, so a short row beside a long one gathers its own tiles only."""
-    key_lens = [whole_tiles(n) for n in visible_lens.tolist()]
+def row_wise_attention(query, row_tables, visible: list[int], kv, scale):
+    """query [rows, H, D]: row r attends to the first visible[r] keys through block table row_tables[r]. Rows are
+    grouped by the key tiles they need, so a short row beside a long one gathers its own tiles only."""
+    visible_lens = torch.tensor(visible, device=query.device)
+    key_lens = [whole_tiles(n) for n in visible]
     if min(key_lens) == max(key_lens):
         return attend_rows(query, row_tables, visible_lens, key_lens[0], kv, scale)
     out = torch.empty_like(query)
