@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -70,6 +71,19 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def full_block_hashes(
+        self, token_ids: list[int], first: int, end_token: int, previous_hash: int | None
+    ) -> Iterator[int]:
+        """The chained hashes of the full blocks of token_ids from block index `first` on, up to those within the
+        first end_token tokens, as cache_full_blocks will index them; previous_hash: block first - 1's."""
+        for start in range(first * self.block_size, end_token - self.block_size + 1, self.block_size):
+            previous_hash = chained_block_hash(previous_hash, token_ids[start : start + self.block_size])
+            yield previous_hash
+
+    def hash_of(self, block_ids) -> int | None:
+        """The hash of the last of block_ids (hashed blocks), or None for no blocks: where a chain goes on."""
+        return self.blocks[block_ids[-1]].hash if len(block_ids) else None
 
     def take_cached_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
         assert not seq.block_table, "a sequence takes cached blocks only when it holds none"

@@ -44,6 +44,11 @@ class ScheduledBatch:
         return not self.seqs
 
 
+# A waiting prompt whose next blocks another sequence computes in this step waits a step for them when they hold at
+# least this share of what it would compute: a one-block system prompt shared by short chats is not worth a step.
+PENDING_SHARE_TO_WAIT = 0.25
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.block_manager = block_manager
@@ -129,12 +134,24 @@ class Scheduler:
         return decodes, chunks
 
     def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, new_state_holders: list[Sequence]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting requests in arrival order while budget, blocks and state indices last. One whose prompt
+        shares enough with blocks this step computes for another (_shares_pending_blocks) waits for the next step,
+        where it finds them cached, instead of computing them again; the requests behind it go on."""
+        pending: set[int] | None = None  # hashes of the full blocks this step computes, made when first needed
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
             if seq.state_index < 0 and len(self.free_state_indices) < 1 + len(seq.forks):
                 break  # first admission: every sample of the request needs a state index
             # Prompt logprobs need the logits of every prompt position: such a request computes its whole prompt.
-            cached_blocks = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
+            caches = self.block_manager.enable_prefix_caching and not seq.wants_prompt_logprobs
+            cached_blocks = self.block_manager.find_cached_prefix(seq) if caches else []
+            if caches:
+                if pending is None:
+                    pending = self._blocks_computed_this_step(scheduled)
+                if self._shares_pending_blocks(seq, cached_blocks, pending):
+                    index += 1
+                    continue
             self.block_manager.take_cached_prefix(seq, cached_blocks)
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate_blocks_for(seq, num_new_tokens):
@@ -146,11 +163,44 @@ class Scheduler:
                 for holder in (seq, *seq.forks):
                     holder.state_index = self.free_state_indices.pop()
                     new_state_holders.append(holder)
-            self.waiting.popleft()
+            del self.waiting[index]
             seq.status = RUNNING
             self.running.append(seq)
             scheduled[seq] = num_new_tokens
             budget -= num_new_tokens
+            if pending is not None:
+                pending.update(self._chunk_block_hashes(seq, num_new_tokens))
+
+    def _blocks_computed_this_step(self, scheduled: dict[Sequence, int]) -> set[int]:
+        """The hashes of the full blocks that this step's prompt chunks compute (a verify step's blocks are not
+        computed until accepted, and a decode fills a block too rarely to count)."""
+        pending: set[int] = set()
+        for seq, num_new_tokens in scheduled.items():
+            if num_new_tokens > 1 and not seq.draft_token_ids:
+                pending.update(self._chunk_block_hashes(seq, num_new_tokens))
+        return pending
+
+    def _chunk_block_hashes(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        manager = self.block_manager
+        first = seq.num_computed_tokens // manager.block_size  # blocks before it are full, computed and hashed
+        previous_hash = manager.hash_of(seq.block_table[:first])
+        return manager.full_block_hashes(seq.token_ids, first, seq.num_computed_tokens + num_new_tokens, previous_hash)
+
+    def _shares_pending_blocks(self, seq: Sequence, cached_blocks: list[int], pending: set[int]) -> bool:
+        """Whether seq's prompt goes on, past its cached blocks, with blocks this step computes for another sequence,
+        holding at least PENDING_SHARE_TO_WAIT of the tokens it would compute: then waiting one step saves them."""
+        if not pending:
+            return False
+        manager = self.block_manager
+        cacheable_end = seq.num_tokens - 1  # the last token is always computed (find_cached_prefix)
+        previous_hash = manager.hash_of(cached_blocks)
+        shared = 0
+        for block_hash in manager.full_block_hashes(seq.token_ids, len(cached_blocks), cacheable_end, previous_hash):
+            if block_hash not in pending:
+                break
+            shared += 1
+        to_compute = seq.num_tokens - len(cached_blocks) * manager.block_size
+        return shared > 0 and shared * manager.block_size >= PENDING_SHARE_TO_WAIT * to_compute
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.pending_sample_index < 0, "a sequence is preempted only once its tokens are all known"

@@ -107,6 +107,16 @@ def test_shared_prefix_reports_cached_tokens(llama_dir):
     assert second.num_cached_tokens == 64  # four full blocks of the 68-token shared prefix
 
 
+def test_prompts_of_one_batch_compute_their_shared_prefix_once(llama_dir):
+    """Requests arriving together: the first computes the shared prefix, the others wait a step and find it cached
+    (the scheduler's in-step sharing); their tokens equal those computed without the cache."""
+    prompts = [{"prompt_token_ids": list(range(2, 70)) + [70 + index]} for index in range(4)]
+    outputs = LLM(llama_dir, block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    assert [output.num_cached_tokens for output in outputs] == [0, 64, 64, 64]
+    uncached = LLM(llama_dir, block_size=16, enable_prefix_caching=False)
+    assert [output.outputs[0].token_ids for output in outputs] == greedy_tokens(uncached, prompts)
+
+
 def test_an_engine_dropped_without_shutdown_is_freed_by_the_next_start_up(llama_dir):
     """Engines sit in reference cycles, so dropping one frees nothing until a full collection; the next engine's
     start-up runs one before it takes memory (with the collector off here, only that collection can free it)."""

@@ -185,11 +185,18 @@ def test_aborting_a_constrained_request_mid_run_leaves_the_others_as_alone(llama
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preempted_sequences_keep_their_matchers(llama_dir, plain, async_scheduling):
-    """A cache that holds the prompts but not their outputs: sequences are preempted and recomputed."""
+    """A cache that holds the prompts but not their outputs: sequences are preempted and recomputed. Without prefix
+    caching, which would let the prompts share their common start and leave room for the outputs."""
     indices = list(range(0, 32, 4))  # JSON, the longest outputs: each grows past its prompt's blocks
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     num_blocks = sum(-(-len(tokenizer.encode(prompt(i))) // 16) for i in indices)
-    llm = LLM(llama_dir, max_model_len=256, num_kv_blocks=num_blocks, async_scheduling=async_scheduling)
+    llm = LLM(
+        llama_dir,
+        max_model_len=256,
+        num_kv_blocks=num_blocks,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=False,
+    )
     assert generate(llm, indices) == [plain[i] for i in indices]
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.block_manager.num_free_blocks == num_blocks
