@@ -3,7 +3,8 @@
 The rows of decoding sequences (decode rows, speculative verify rows: past the prompt, at most ROW_WISE_MAX_QUERY
 new tokens; AttentionMetadata.decoding) attend one row at a time: each such row is one batch entry of an SDPA call,
 its query alone over its sequence's cached K/V gathered through the block table and padded to a multiple of
-KEY_PAD keys (rows that need the same number of tiles share a call). Prompt chunks attend sequence by sequence, so a
+KEY_PAD keys (rows that need the same number of tiles share a call); the query heads that share a KV head are that
+head's query rows, a block of fixed size for every row. Prompt chunks attend sequence by sequence, so a
 short prompt beside a long one costs no padding.
 
 Invariant: a decoding row's output has the same bits whatever else the step holds (other sequences, their lengths,
@@ -161,7 +162,7 @@ def attend_rows(query, row_tables, visible_lens, key_len: int, kv, scale):
     out = F.scaled_dot_product_attention(
         grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None], scale=scale
     )
-    return out.view(rows, num_heads, head_dim)
+    return out.reshape(rows, num_heads, head_dim)  # on CUDA, SDPA returns the heads strided
 
 
 class TorchAttentionBackend:
