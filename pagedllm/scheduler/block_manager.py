@@ -62,11 +62,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        previous_hash = None
-        for start in range(0, seq.num_tokens - self.block_size, self.block_size):
-            token_ids = tuple(seq.token_ids[start : start + self.block_size])
-            previous_hash = chained_block_hash(previous_hash, token_ids)
-            block_id = self.cached_block_ids.get(previous_hash)
+        for index, block_hash in enumerate(self.full_block_hashes(seq.token_ids, 0, seq.num_tokens - 1, None)):
+            block_id = self.cached_block_ids.get(block_hash)
+            token_ids = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break
             hits.append(block_id)
@@ -76,14 +74,15 @@ class BlockManager:
         self, token_ids: list[int], first: int, end_token: int, previous_hash: int | None
     ) -> Iterator[int]:
         """The chained hashes of the full blocks of token_ids from block index `first` on, up to those within the
-        first end_token tokens, as cache_full_blocks will index them; previous_hash: block first - 1's."""
+        first end_token tokens; previous_hash: block first - 1's (hash_before). The one definition of the chain:
+        the cache indexes blocks by it and looks them up by it."""
         for start in range(first * self.block_size, end_token - self.block_size + 1, self.block_size):
             previous_hash = chained_block_hash(previous_hash, token_ids[start : start + self.block_size])
             yield previous_hash
 
-    def hash_of(self, block_ids) -> int | None:
-        """The hash of the last of block_ids (hashed blocks), or None for no blocks: where a chain goes on."""
-        return self.blocks[block_ids[-1]].hash if len(block_ids) else None
+    def hash_before(self, block_ids, index: int) -> int | None:
+        """The hash of block_ids[index - 1] (a hashed block), or None at index 0: where a chain from index goes on."""
+        return self.blocks[block_ids[index - 1]].hash if index else None
 
     def take_cached_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
         assert not seq.block_table, "a sequence takes cached blocks only when it holds none"
@@ -149,13 +148,14 @@ class BlockManager:
         num_full_blocks = seq.num_computed_tokens // self.block_size
         if num_full_blocks <= seq.num_hashed_blocks or not self.enable_prefix_caching:
             return  # most steps: no block became full
-        for index in range(seq.num_hashed_blocks, num_full_blocks):
-            previous_hash = self.blocks[seq.block_table[index - 1]].hash if index else None
-            token_ids = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        first = seq.num_hashed_blocks
+        previous_hash = self.hash_before(seq.block_table, first)
+        hashes = self.full_block_hashes(seq.token_ids, first, num_full_blocks * self.block_size, previous_hash)
+        for index, block_hash in enumerate(hashes, first):
             block = self.blocks[seq.block_table[index]]
-            block.hash = chained_block_hash(previous_hash, token_ids)
-            block.token_ids = token_ids
-            self.cached_block_ids.setdefault(block.hash, block.block_id)
+            block.hash = block_hash
+            block.token_ids = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+            self.cached_block_ids.setdefault(block_hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
 
     def free(self, seq: Sequence) -> None:

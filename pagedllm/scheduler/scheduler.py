@@ -20,6 +20,7 @@ more than max_num_seqs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedllm.scheduler.block_manager import BlockManager
@@ -180,10 +181,10 @@ class Scheduler:
                 pending.update(self._chunk_block_hashes(seq, num_new_tokens))
         return pending
 
-    def _chunk_block_hashes(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+    def _chunk_block_hashes(self, seq: Sequence, num_new_tokens: int) -> Iterator[int]:
         manager = self.block_manager
         first = seq.num_computed_tokens // manager.block_size  # blocks before it are full, computed and hashed
-        previous_hash = manager.hash_of(seq.block_table[:first])
+        previous_hash = manager.hash_before(seq.block_table, first)
         return manager.full_block_hashes(seq.token_ids, first, seq.num_computed_tokens + num_new_tokens, previous_hash)
 
     def _shares_pending_blocks(self, seq: Sequence, cached_blocks: list[int], pending: set[int]) -> bool:
@@ -193,7 +194,7 @@ class Scheduler:
             return False
         manager = self.block_manager
         cacheable_end = seq.num_tokens - 1  # the last token is always computed (find_cached_prefix)
-        previous_hash = manager.hash_of(cached_blocks)
+        previous_hash = manager.hash_before(cached_blocks, len(cached_blocks))
         shared = 0
         for block_hash in manager.full_block_hashes(seq.token_ids, len(cached_blocks), cacheable_end, previous_hash):
             if block_hash not in pending:
