@@ -139,6 +139,26 @@ def random_checkpoint_with_tokenizer(shape: str, tokenizer_dir: str, device: tor
     return directory
 
 
+def print_step_table(llm: LLM, args: argparse.Namespace, schema: dict) -> None:
+    """Each (batch size, constrained share) once a round, interleaved; print the fastest round's median step."""
+    decode_step_ms(llm, 2, 1, 8, schema)  # warm: the backend, the compiled schema, every path of a step
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    configs = list(  # (batch size, constrained rows), each once
+        dict.fromkeys((size, round(size * fraction)) for size in args.batch_sizes for fraction in args.fractions)
+    )
+    best = dict.fromkeys(configs, float("inf"))  # the fastest round's median: the least disturbed by other work
+    for _ in range(args.rounds):
+        for batch_size, num_constrained in configs:
+            step = decode_step_ms(llm, batch_size, num_constrained, args.output_len, schema)
+            best[batch_size, num_constrained] = min(best[batch_size, num_constrained], step)
+    print(f"{'batch':>5} {'constrained':>11} {'step ms':>8} {'vs none':>8}")
+    for batch_size, num_constrained in configs:
+        ratio = best[batch_size, num_constrained] / best[batch_size, 0]
+        share = f"{num_constrained} ({num_constrained / batch_size:.0%})"
+        print(f"{batch_size:>5} {share:>11} {best[batch_size, num_constrained]:>8.2f} {ratio:>8.3f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -151,9 +171,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, help="random weights of this shape instead, with --tokenizer")
     parser.add_argument("--tokenizer", help="a saved Hugging Face tokenizer directory, for --shape")
     parser.add_argument(
-        "--schema", choices=SCHEMAS, default="long-summary",
+        "--schema", choices=SCHEMAS, nargs="+", default=["long-summary"],
         help="long-summary: a 600-2000 character string (each row in its own lexer state); free-notes: strings "
-        "without a length bound",
+        "without a length bound; several run one after another on one engine",
     )  # fmt: skip
     args = parser.parse_args()
     if args.device == "cpu":
@@ -165,23 +185,9 @@ def main() -> None:
         model = str(random_checkpoint_with_tokenizer(args.shape, args.tokenizer, torch.device(args.device)))
     max_num_seqs = max(256, *args.batch_sizes)
     llm = LLM(model, device=args.device, max_model_len=1024, max_num_seqs=max_num_seqs)
-    print(f"model: {args.shape or model or 'the default model'}, device {args.device}, schema {args.schema}")
-    decode_step_ms(llm, 2, 1, 8)  # warm: the backend, the compiled schema, every path of a step
-    print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    configs = list(  # (batch size, constrained rows), each once
-        dict.fromkeys((size, round(size * fraction)) for size in args.batch_sizes for fraction in args.fractions)
-    )
-    best = dict.fromkeys(configs, float("inf"))  # the fastest round's median: the least disturbed by other work
-    for _ in range(args.rounds):
-        for batch_size, num_constrained in configs:
-            step = decode_step_ms(llm, batch_size, num_constrained, args.output_len, SCHEMAS[args.schema])
-            best[batch_size, num_constrained] = min(best[batch_size, num_constrained], step)
-    print(f"{'batch':>5} {'constrained':>11} {'step ms':>8} {'vs none':>8}")
-    for batch_size, num_constrained in configs:
-        ratio = best[batch_size, num_constrained] / best[batch_size, 0]
-        share = f"{num_constrained} ({num_constrained / batch_size:.0%})"
-        print(f"{batch_size:>5} {share:>11} {best[batch_size, num_constrained]:>8.2f} {ratio:>8.3f}")
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    for schema in args.schema:
+        print(f"model: {args.shape or model or 'the default model'}, device {args.device}, schema {schema}")
+        print_step_table(llm, args, SCHEMAS[schema])
     base, miss, hit = compile_delays(llm)
     print(f"first token without a constraint: {base:.1f} ms; compile delay on a cache miss: {miss:+.1f} ms, on a hit: "
           f"{hit:+.1f} ms (load {os.getloadavg()[0]:.2f})")  # fmt: skip
