@@ -171,8 +171,8 @@ def child_main(args) -> None:
 
 
 def run_case(args, python: str, case: tuple[str, str, str], paths: dict[str, str]) -> dict | None:
-    """One child process; -P keeps benchmarks/ off its path (benchmarks/kernels.py would shadow the `kernels`
-    package that transformers probes for)."""
+    """One child process; -P keeps benchmarks/ off its path (a script there named like a package would shadow the
+    package, as benchmarks/kernels.py once shadowed the `kernels` that transformers probes for)."""
     engine, dtype, workload = case
     flags = [item for name, path in paths.items() for item in (f"--{name}", path)]
     command = [python, "-P", __file__, "--child", engine, "--dtype", dtype, "--workload", workload, "--threads",

@@ -18,15 +18,15 @@ from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padd
 DEFAULT_BLOCK_N = 64
 WIDE_HEAD_BLOCK_N = 32  # head_dim above 128: K/V tiles of all stages stay within shared memory (untuned)
 # head_dim 64, 16-bit cache (TinyLlama's 32:4 heads, 256 sequences of 100..2048 tokens, H200): 128-key tiles took
-# 96.7 us against 101.0 with 64 (kernels.py --splits-sweep).
+# 96.7 us against 101.0 with 64 (attention_kernels.py --splits-sweep).
 NARROW_HEAD_BLOCK_N = 128
-# fp8 cache, bf16 model, head_dim 128: the best of kernels.py --fp8-sweep on the H200 (272 us against 348 us with
-# the bf16 defaults at 256 x 1024 tokens; 298 against 391 on mixed lengths). Other cases keep the defaults (not
-# swept; a float32 model keeps float32 dots).
+# fp8 cache, bf16 model, head_dim 128: the best of attention_kernels.py --fp8-sweep on the H200 (272 us against 348
+# us with the bf16 defaults at 256 x 1024 tokens; 298 against 391 on mixed lengths). Other cases keep the defaults
+# (not swept; a float32 model keeps float32 dots).
 FP8_HEAD_128_CONFIG = dict(block_n=128, num_stages=3, fp8_via_f16=True)
-# One sequence, 8 KV heads, H200 (kernels.py --splits-sweep): at 32,000 tokens 16 splits took 74 us a layer, 32 took
-# 53, 64 took 51; at 1,024 tokens 11.6, 12.2 and 13.5 us. 32 keeps most of the gain for long contexts at 0.6 us a
-# layer on short ones. Only batches of up to 4 sequences (at 8 KV heads) reach the cap.
+# One sequence, 8 KV heads, H200 (attention_kernels.py --splits-sweep): at 32,000 tokens 16 splits took 74 us a
+# layer, 32 took 53, 64 took 51; at 1,024 tokens 11.6, 12.2 and 13.5 us. 32 keeps most of the gain for long contexts
+# at 0.6 us a layer on short ones. Only batches of up to 4 sequences (at 8 KV heads) reach the cap.
 MAX_SPLITS = 32
 MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV head's query heads are padded up to this
 

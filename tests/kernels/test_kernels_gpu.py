@@ -4,7 +4,7 @@ Every GQA group 1..8, head_dim 64/80/96/128, block sizes 16..256, bf16 and fp16,
 so that each value meets several of the others. Each combination checks store + prefill on a step mixing fresh
 prefill, a prefix hit, a chunk, a decode row, a 1-token prompt and a skipped slot, and store + decode of 24
 sequences (3 padding rows) at the default number of splits and at 1; with an fp8 cache also both with fp8_via_f16.
-Timings: benchmarks/kernels.py.
+Timings: benchmarks/attention_kernels.py.
 """
 
 from __future__ import annotations

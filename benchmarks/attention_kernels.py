@@ -2,10 +2,10 @@
 in the same run, for 16-bit and fp8 KV caches and head_dim 64/80/96/128.
 
 Run on the GPU machine, from the repository root:
-    PYTHONUNBUFFERED=1 python benchmarks/kernels.py            # checks + timings (a few minutes)
-    python benchmarks/kernels.py --no-checks --quick           # timings of the main rows only
-    python benchmarks/kernels.py --no-checks --quick --fp8-sweep   # + the fp8 decode config sweep (~1.5 min more)
-    python benchmarks/kernels.py --no-checks --quick --splits-sweep  # + one-sequence splits, TinyLlama's decode tiles
+    PYTHONUNBUFFERED=1 python benchmarks/attention_kernels.py            # checks + timings (a few minutes)
+    python benchmarks/attention_kernels.py --no-checks --quick           # timings of the main rows only
+    python benchmarks/attention_kernels.py --no-checks --quick --fp8-sweep  # + the fp8 decode sweep (~1.5 min)
+    python benchmarks/attention_kernels.py --no-checks --quick --splits-sweep  # + one-sequence splits, decode tiles
 Writes $OUT/kernels.json (every number) and $OUT/kernels.md (the tables), OUT defaulting to the current directory,
 after every section, so a run cut short keeps what it measured. The checks are `pytest -m gpu tests/kernels`.
 On a CPU, `--dry-run` runs the sweeps' code paths on tiny shapes under the Triton interpreter (times meaningless).
@@ -442,7 +442,7 @@ def main() -> None:
         DEVICE, MODEL_DTYPE = "cpu", "float16"
         os.environ["TRITON_INTERPRET"] = "1"  # read when pagedllm.kernels is first imported, below
     elif not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (or --dry-run)")
+        raise SystemExit("benchmarks/attention_kernels.py needs a CUDA GPU (or --dry-run)")
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     import triton
