@@ -33,14 +33,14 @@ def fake_triton_installed(monkeypatch) -> None:
 
 def test_cpu_defaults():
     """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, plain torch kernels
-    (the linear layers through oneDNN)."""
+    (the linear layers through oneDNN, prompt chunks on SDPA's flash kernel)."""
     resolved = EngineConfig(device="cpu").resolve(tiny_spec(), torch.bfloat16)
     assert resolved.device == torch.device("cpu")
     assert resolved.dtype == torch.float32
     assert resolved.max_model_len == 1024  # the tiny models' max_position_embeddings
     assert resolved.async_scheduling is False
     assert (
-        resolved.kernels == dataclasses.replace(TORCH_KERNELS, linear="onednn")
+        resolved.kernels == dataclasses.replace(TORCH_KERNELS, linear="onednn", torch_prompt_sdpa="flash")
         and resolved.config.attention_backend == "torch"
     )
 

@@ -15,7 +15,7 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR")
-CPU_KERNELS = KernelChoices(linear="onednn")
+CPU_KERNELS = KernelChoices(linear="onednn", torch_prompt_sdpa="flash")
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
 )
@@ -34,7 +34,14 @@ def test_cpu_runs_plain_torch_with_onednn_linear_layers(monkeypatch):
     assert resolve_kernel_choices(None, CPU, 64) == CPU_KERNELS
     assert resolve_kernel_choices("torch", CPU, 64, "fp8") == CPU_KERNELS
     monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
-    assert resolve_kernel_choices(None, CPU, 64) == TORCH_KERNELS
+    assert resolve_kernel_choices(None, CPU, 64) == KernelChoices(torch_prompt_sdpa="flash")
+
+
+def test_cpu_prompts_take_sdpas_flash_kernel_except_with_gguf_blocks_kept():
+    """Float weights: the flash kernel (faster); GGUF blocks kept: the math path their pinned answers came from."""
+    assert resolve_kernel_choices(None, CPU, 64, quantization=None).torch_prompt_sdpa == "flash"
+    assert resolve_kernel_choices(None, CPU, 64, quantization="gguf").torch_prompt_sdpa == "math"
+    assert TORCH_KERNELS.torch_prompt_sdpa == "math"  # the torch backend on a GPU: as before
 
 
 def test_cuda_runs_todays_kernels_by_default():

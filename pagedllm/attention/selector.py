@@ -42,12 +42,13 @@ def choose_backend(name: str | None, device: torch.device, head_dim: int, kv_cac
     return "torch"
 
 
-def create_backend(name: str) -> AttentionBackend:
-    """The backend choose_backend named (importing Triton only for the triton backend)."""
+def create_backend(name: str, torch_prompt_sdpa: str = "math") -> AttentionBackend:
+    """The backend choose_backend named (importing Triton only for the triton backend); torch_prompt_sdpa: the
+    torch backend's kernel for prompt chunks (KernelChoices)."""
     if name == "triton":
         from pagedllm.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(flash_prompts=torch_prompt_sdpa == "flash")

@@ -89,8 +89,11 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    flash_prompts: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of the packed queries over each sequence's cached context (new tokens already stored)."""
+    """Causal attention of the packed queries over each sequence's cached context (new tokens already stored).
+    flash_prompts: prompt chunks go to SDPA as 4-D tensors, which on CPU take its flash kernel (3-D ones its math
+    path); a row's last bits differ between the two."""
     kv = (k_cache, v_cache, k_scale, v_scale)
     if metadata.decode_only:  # one row per sequence, its visible length the sequence's
         if query.device.type != "cpu":  # no host sync: CUDA graphs may capture this path (the fallback backend)
@@ -114,11 +117,14 @@ def paged_attention(
         table = metadata.block_tables[index : index + 1]
         keys = gather_kv(k_cache, k_scale, table, seq_len, query.dtype)[0].transpose(0, 1)  # [kv_heads, len, dim]
         values = gather_kv(v_cache, v_scale, table, seq_len, query.dtype)[0].transpose(0, 1)
+        queries = query[start:end].transpose(0, 1)  # [heads, rows, dim]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         visible = torch.arange(seq_len, device=query.device)[None] <= query_pos[:, None]
+        if flash_prompts:  # a batch of one: 4-D tensors
+            queries, keys, values, visible = queries[None], keys[None], values[None], visible[None, None]
         attended = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True
-        )
+            queries, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+        ).reshape(-1, end - start, query.shape[-1])  # [heads, rows, dim]
         out[start:end] = attended.transpose(0, 1)
     if short_rows:
         device = query.device
@@ -168,8 +174,11 @@ def attend_rows(query, row_tables, visible_lens, key_len: int, kv, scale):
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, flash_prompts: bool = False):
+        self.flash_prompts = flash_prompts  # paged_attention's
+
     def forward(
         self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
     ):
         store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
-        return paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        return paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)

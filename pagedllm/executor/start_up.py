@@ -101,7 +101,7 @@ def load_model(worker: Worker, checkpoint: Checkpoint) -> tuple[nn.Module, Atten
     load_weights(model, checkpoint.named_tensors(worker.dtype), checkpoint.source)
     if kernels.quantization == "gguf":
         start_up_log(worker)("GGUF weights: %s", describe_formats(model))
-    backend = create_backend(kernels.attention)
+    backend = create_backend(kernels.attention, kernels.torch_prompt_sdpa)
     sampler = None
     if worker.tp.rank == 0:
         sampler = Sampler(config.max_num_seqs, worker.spec.vocab_size, device, config.seed, kernels)

@@ -16,6 +16,9 @@ class KernelChoices:
     """The defaults are plain torch everywhere: what runs on CPU, and on a GPU with attention_backend='torch'."""
 
     attention: Literal["torch", "triton"] = "torch"  # the attention backend (attention/selector.py)
+    # The torch backend's prompt chunks on CPU: SDPA's math path (3-D tensors) or its flash kernel (4-D: 4.3x faster
+    # at 800 rows). The result of a row differs in its last bits; the choice is made in kernel_selection.
+    torch_prompt_sdpa: Literal["math", "flash"] = "math"
     rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
     # skinny_gemm: small products may take kernels/skinny_gemm; onednn: weights reordered once for oneDNN (CPU)
     linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
@@ -29,8 +32,9 @@ class KernelChoices:
 
     def describe(self) -> str:
         """One line for the start-up log."""
+        prompts = " (flash prompts)" if self.torch_prompt_sdpa == "flash" else ""
         return (
-            f"attention {self.attention}, rotary {self.rotary}, linear {self.linear}, sampler {self.sampler}, "
+            f"attention {self.attention}{prompts}, rotary {self.rotary}, linear {self.linear}, sampler {self.sampler}, "
             f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
         )
 
