@@ -10,6 +10,27 @@ from pagedllm.sampling.params import SamplingParams
 
 # Tokens decoded before the undecoded tail when it is flushed: enough context for a leading space or a merge.
 FLUSH_CONTEXT = 4
+# A UTF-8 character spans at most 4 bytes, so at most 3 trailing tokens of a prompt can sit inside one.
+MAX_TOKENS_INSIDE_A_CHARACTER = 3
+
+
+def primed_stream(backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeStream:
+    """A DecodeStream that has seen the prompt, so the first output token decodes in context (its leading space).
+
+    DecodeStream(ids=prompt) returns the whole prompt's text with the first output piece when that text ends inside
+    a character (tokenizers 0.23 keeps no prefix then). So it is seeded with the prompt up to its last whole
+    character, and the tokens after it are stepped through: their bytes wait in the stream, and show with the output's
+    first piece (as U+FFFD if the output does not complete them), as vLLM's primed stream shows them."""
+    decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    cut = len(prompt_token_ids)
+    while cut > max(0, len(prompt_token_ids) - MAX_TOKENS_INSIDE_A_CHARACTER) and decode(
+        prompt_token_ids[max(0, cut - FLUSH_CONTEXT) : cut]
+    ).endswith("\ufffd"):
+        cut -= 1
+    stream = DecodeStream(ids=list(prompt_token_ids[:cut]), skip_special_tokens=skip_special_tokens)
+    for token_id in prompt_token_ids[cut:]:
+        stream.step(backend, token_id)  # inside the character: no text yet
+    return stream
 
 
 class IncrementalDetokenizer:
@@ -20,8 +41,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
-        # Seeded with the prompt so the first output token decodes in context (e.g. its leading space).
-        self.stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=params.skip_special_tokens)
+        self.stream = primed_stream(self.backend, list(prompt_token_ids), params.skip_special_tokens)
         self.decoded_ids = list(prompt_token_ids[-FLUSH_CONTEXT:])  # the last ids whose text is in self.text
         self.undecoded_ids: list[int] = []  # ids after them that do not yet end on a whole character
         self.num_output_tokens = 0

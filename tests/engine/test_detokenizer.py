@@ -124,6 +124,22 @@ def test_incomplete_trailing_character_shows_as_replacement_when_finished(tokeni
     assert detokenizer.text == tokenizer.decode(ids) == "x \ufffd"
 
 
+def test_a_prompt_ending_inside_a_character_stays_out_of_the_output(tokenizer):
+    """The prompt's dangling bytes show at most as one U+FFFD before the output's own text; the prompt's text never
+    does (a DecodeStream seeded with such a prompt returned all of it with the first piece)."""
+    prompt = tokenizer.encode("The capital of") + tokenizer.encode("é")[:1]  # the first of its two bytes
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    output = tokenizer.encode("cat-233 is here")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    for token_id in output:
+        detokenizer.update([token_id])
+    detokenizer.finish()
+    assert detokenizer.text in (tokenizer.decode(output), "\ufffd" + tokenizer.decode(output))
+    completed = IncrementalDetokenizer(tokenizer, prompt)  # the output's first byte completes the character
+    completed.update(tokenizer.encode("é")[1:] + output)
+    assert completed.text == "é" + tokenizer.decode(output)
+
+
 def test_skip_special_tokens(tokenizer):
     bos = tokenizer.convert_tokens_to_ids("<s>")
     ids = tokenizer.encode(" the") + [bos] + tokenizer.encode(" end")

@@ -7,6 +7,7 @@ per process)."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -193,6 +194,25 @@ def test_seeded_samples_and_logprobs_equal_one_rank(engines):
             assert got_sample.token_ids == want_sample.token_ids
             assert_close_logprobs(want_sample.logprobs, got_sample.logprobs)
         assert_close_logprobs(want.prompt_logprobs[1:], got.prompt_logprobs[1:])  # the first prompt token has none
+
+
+def test_structured_outputs_equal_one_rank(engines):
+    """Rank 0 alone holds the matchers and masks its gathered logits; the other ranks run the same forwards. Seeded
+    samples at temperature 1 under a regex equal one rank's, and each satisfies it."""
+    pytest.importorskip("llguidance", reason="structured outputs need the structured extra")
+    from pagedllm import StructuredOutputsParams
+
+    reference, parallel = engines
+    pattern = r"(cat|dog)-[0-9]{1,3}"
+    constraint = StructuredOutputsParams(regex=pattern)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=16, structured_outputs=constraint)
+              for seed in range(6)]  # fmt: skip
+    prompts = make_prompts(vocab_size(reference), count=6, seed=8)
+    expected, actual = (llm.generate(prompts, params, use_tqdm=False) for llm in engines)
+    decode = reference.get_tokenizer().decode  # the output's own tokens (random prompts can end inside a character)
+    for want, got in zip(expected, actual, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert re.fullmatch(pattern, decode(got.outputs[0].token_ids)), got.outputs[0].text
 
 
 def assert_close_logprobs(expected: list[dict], actual: list[dict]) -> None:
