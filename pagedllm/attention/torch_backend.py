@@ -2,15 +2,16 @@
 
 The rows of decoding sequences (decode rows, speculative verify rows: past the prompt, at most ROW_WISE_MAX_QUERY
 new tokens; AttentionMetadata.decoding) attend one row at a time: each such row is one batch entry of an SDPA call,
-its query alone over its sequence's cached K/V gathered through the block table and padded to a multiple of
-KEY_PAD keys (rows that need the same number of tiles share a call); the query heads that share a KV head are that
-head's query rows, a block of fixed size for every row. Prompt chunks attend sequence by sequence, so a
+its query alone over its sequence's cached K/V gathered through the block table and padded to a length set by its
+own visible length alone (padded_key_len; rows padded to the same length share a call); the query heads that share
+a KV head are that head's query rows, a block of fixed size for every row. Prompt chunks attend sequence by sequence, so a
 short prompt beside a long one costs no padding.
 
 Invariant: a decoding row's output has the same bits whatever else the step holds (other sequences, their lengths,
 the other rows of its own verify query, prompts beside it). CPU SDPA gives a row other bits when its query block
 holds more rows or when its keys are padded to another length inside a 512-key tile (benchmarks/NOTES.md,
-"Speculation changes greedy outputs"); one row per entry and whole tiles of keys leave it nothing to vary. That is
+"Speculation changes greedy outputs"); one row per entry and a key length that is the row's own leave it nothing to
+vary. That is
 what makes greedy speculation equal greedy decoding and batch composition change nothing on models whose layers
 round activations to bfloat16 (the default model's kept GGUF blocks), where a last-bit difference can flip a
 near-tied token. A prompt chunk's rows still depend on the chunk (its row count): another chunking, or a cached
@@ -54,8 +55,11 @@ def store_kv_cache(
 # (num_speculative_tokens + 1); longer ones are prompt chunks.
 ROW_WISE_MAX_QUERY = 16
 # CPU SDPA folds keys in tiles of 512 (its kv split): keys padded to whole tiles give a row the same reduction order
-# for any padding, since a fully masked tile adds exact zeros.
+# for any padding, since a fully masked tile adds exact zeros. Below one tile a row's keys are padded to the next
+# power of two (at least MIN_KEY_PAD): a short context does not pay for 512 keys, and its length still depends on
+# the row alone.
 KEY_PAD = 512
+MIN_KEY_PAD = 16
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -97,7 +101,7 @@ def paged_attention(
     kv = (k_cache, v_cache, k_scale, v_scale)
     if metadata.decode_only:  # one row per sequence, its visible length the sequence's
         if query.device.type != "cpu":  # no host sync: CUDA graphs may capture this path (the fallback backend)
-            key_len = whole_tiles(metadata.max_seq_len)
+            key_len = padded_key_len(metadata.max_seq_len)
             return attend_rows(query, metadata.block_tables, metadata.seq_lens.long(), key_len, kv, scale)
         return row_wise_attention(query, metadata.block_tables, metadata.seq_lens.tolist(), kv, scale)
     out = torch.empty_like(query)
@@ -135,15 +139,18 @@ def paged_attention(
     return out
 
 
-def whole_tiles(num_keys: int) -> int:
+def padded_key_len(num_keys: int) -> int:
+    """Keys a row with num_keys visible keys attends over: the next power of two up to KEY_PAD, whole tiles above."""
+    if num_keys <= KEY_PAD:
+        return max(MIN_KEY_PAD, 1 << (num_keys - 1).bit_length())
     return KEY_PAD * -(-num_keys // KEY_PAD)
 
 
 def row_wise_attention(query, row_tables, visible: list[int], kv, scale):
     """query [rows, H, D]: row r attends to the first visible[r] keys through block table row_tables[r]. Rows are
-    grouped by the key tiles they need, so a short row beside a long one gathers its own tiles only."""
+    grouped by their padded key lengths, so a short row beside a long one gathers its own keys only."""
     visible_lens = torch.tensor(visible, device=query.device)
-    key_lens = [whole_tiles(n) for n in visible]
+    key_lens = [padded_key_len(n) for n in visible]
     if min(key_lens) == max(key_lens):
         return attend_rows(query, row_tables, visible_lens, key_lens[0], kv, scale)
     out = torch.empty_like(query)
@@ -154,7 +161,7 @@ def row_wise_attention(query, row_tables, visible: list[int], kv, scale):
 
 
 def attend_rows(query, row_tables, visible_lens, key_len: int, kv, scale):
-    """Each row alone in its SDPA batch entry (the module's invariant), over key_len keys (whole KEY_PAD tiles)
+    """Each row alone in its SDPA batch entry (the module's invariant), over key_len keys (padded_key_len's)
     gathered through its table row, the first visible_lens[r] of them visible."""
     k_cache, v_cache, k_scale, v_scale = kv
     keys = gather_kv(k_cache, k_scale, row_tables, key_len, query.dtype)  # [rows, key_len, kv_heads, dim]

@@ -13,7 +13,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import ROW_WISE_MAX_QUERY, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-CONTEXTS = {"target": 300, "long": 1500, "short": 7, "prompt": 90}  # each sequence's context after the step
+# Each sequence's context after the step; "small" and "near" pad to the same 128 keys, "target" and "mid" to 512.
+CONTEXTS = {"target": 300, "long": 1500, "short": 7, "prompt": 90, "small": 100, "near": 120, "mid": 470}
 
 
 class PagedCache:
@@ -63,12 +64,28 @@ def test_a_rows_bits_do_not_change_with_the_rest_of_its_step(dtype):
         assert torch.equal(out[row], alone[0]), what
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_rows_bits_do_not_change_beside_rows_padded_alike_or_not(dtype):
+    """Below one 512-key tile a row's keys are padded to a power of two; a row sharing its call with another of the
+    same padded length, or beside rows of other lengths, keeps the bits it has alone."""
+    cache = PagedCache(dtype, torch.Generator().manual_seed(2))
+    alone = cache.step({"small": 1})
+    steps = {
+        "beside a row padded to the same length": (cache.step({"near": 1, "small": 1}), 1),
+        "beside rows of other lengths": (cache.step({"short": 1, "mid": 1, "small": 1, "long": 1}), 2),
+        "the last row of a verify query, its rows padded alike": (cache.step({"small": 5, "near": 1}), 4),
+        "beside a prompt chunk": (cache.step({"prompt": 30, "small": 1}), 30),
+    }
+    for what, (out, row) in steps.items():
+        assert torch.equal(out[row], alone[0]), what
+
+
 def test_rows_are_the_attention_they_stand_for():
     """Row-wise attention is still attention: each row against one SDPA call over exactly its visible keys."""
     cache = PagedCache(torch.float32, torch.Generator().manual_seed(1))
-    out = cache.step({"short": 1, "target": 4, "prompt": 40, "long": 1})
+    out = cache.step({"short": 1, "target": 4, "prompt": 40, "long": 1, "small": 3})
     rows = [("short", 6), *(("target", p) for p in range(296, 300)), *(("prompt", p) for p in range(50, 90)),
-            ("long", 1499)]  # fmt: skip
+            ("long", 1499), *(("small", p) for p in range(97, 100))]  # fmt: skip
     for row, (name, position) in enumerate(rows):
         slots = torch.arange(position + 1)
         blocks = cache.tables[name][slots // BLOCK_SIZE].long()
