@@ -34,8 +34,8 @@ from decode_fma import load_attention_kernels, run_one  # noqa: E402
 def _fp8_decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_cache_block,
-    stride_cache_slot, stride_block_table_seq, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SCALED_K: tl.constexpr, TRANSPOSED: tl.constexpr,
+    stride_cache_slot, stride_block_table_seq, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALED_K: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, KV head) over its whole context (no splits: 256 rows fill the GPU). HEAD_DIM is a
     # power of two here; the query rows are padded to ROWS >= 16 for tl.dot.
@@ -97,7 +97,7 @@ def _fp8_decode_kernel(
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out_offsets = seq.to(tl.int64) * stride_out_token + (kv_head * GROUP + rows)[:, None] * stride_out_head
     out_offsets += dims[None, :]
-    if TRANSPOSED:
+    if TRANSPOSED:  # noqa: SIM108 (a constexpr branch)
         out = tl.trans(acc / safe_l[None, :])
     else:
         out = acc / safe_l[:, None]
@@ -111,7 +111,8 @@ def fp8_decode(query, k_cache, v_cache, seq_lens, block_tables, scale, out, k_sc
     group = num_heads // num_kv_heads
     _fp8_decode_kernel[(num_seqs, num_kv_heads)](
         query, k_cache, v_cache, k_scale, v_scale, out, seq_lens, block_tables, scale * 1.4426950408889634,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SCALED_K=scaled_k, TRANSPOSED=transposed, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -4,8 +4,8 @@ The rows of decoding sequences (decode rows, speculative verify rows: past the p
 new tokens; AttentionMetadata.decoding) attend one row at a time: each such row is one batch entry of an SDPA call,
 its query alone over its sequence's cached K/V gathered through the block table and padded to a length set by its
 own visible length alone (padded_key_len; rows padded to the same length share a call); the query heads that share
-a KV head are that head's query rows, a block of fixed size for every row. Prompt chunks attend sequence by sequence, so a
-short prompt beside a long one costs no padding.
+a KV head are that head's query rows, a block of fixed size for every row. Prompt chunks attend sequence by
+sequence, so a short prompt beside a long one costs no padding.
 
 Invariant: a decoding row's output has the same bits whatever else the step holds (other sequences, their lengths,
 the other rows of its own verify query, prompts beside it). CPU SDPA gives a row other bits when its query block
