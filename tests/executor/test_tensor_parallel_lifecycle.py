@@ -5,6 +5,7 @@ seconds, and no process is left behind. Also: the same engine launched by torchr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -121,12 +122,17 @@ def subprocesses(llama_dir, tmp_path_factory):
         "torchrun": torchrun,
     }
     processes = {
-        name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env())
+        name: subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), start_new_session=True
+        )
         for name, command in commands.items()
     }
     yield processes
+    # Each command's whole process group: a rank or torchrun's workers, still holding the pipes, would otherwise keep
+    # communicate() waiting when the test that finishes the command did not run (-k, a failure before it).
     for process in processes.values():
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):  # the group ended with the test that finished it
+            os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
 
 
