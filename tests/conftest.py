@@ -32,6 +32,7 @@ if UNDER_XDIST:
 SHARED_DEFAULT_MODEL = {"default_server", "default_reference"}  # session fixtures worth starting once
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns these marks into the groups it schedules by
 def pytest_collection_modifyitems(items):
     """xdist groups (--dist loadgroup): the tests of one file run in one worker, so that its module fixtures start
     once; the tests that use the default model's shared fixtures, in whichever file, all in one worker."""
