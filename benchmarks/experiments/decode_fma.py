@@ -176,57 +176,67 @@ def run_one(ak, batch, kernel, config, copy_bw, expected, dry_run):
     return row
 
 
-def shapes(dry_run: bool) -> dict:
+QWEN3, QWEN3_8B = dict(num_heads=16, num_kv_heads=8, head_dim=128), dict(num_heads=32, num_kv_heads=8, head_dim=128)
+LLAMA32_1B, TINYLLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=64), dict(num_heads=32, num_kv_heads=4, head_dim=64)
+
+
+def shapes(dry_run: bool, skip: tuple[str, ...] = ()) -> dict:
+    """name -> (seq_lens, heads): 256 decode rows of each model's attention (or tiny ones for the interpreter)."""
     if dry_run:
-        return {"dry 3 x 20..50, 4/2 d64": ((20, 50, 33), dict(num_heads=4, num_kv_heads=2, head_dim=64)),
+        every = {"dry 3 x 20..150, 4/2 d64": ((20, 150, 33), dict(num_heads=4, num_kv_heads=2, head_dim=64)),
                 "dry 2 x 30, 8/1 d80": ((30, 17), dict(num_heads=8, num_kv_heads=1, head_dim=80))}  # fmt: skip
-    mixed = torch.randint(100, 2049, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-    return {
-        "Qwen3-0.6B 16/8 d128, 256 x 1024": ([1024] * 256, dict(num_heads=16, num_kv_heads=8, head_dim=128)),
-        "Qwen3-0.6B 16/8 d128, 256 mixed": (mixed, dict(num_heads=16, num_kv_heads=8, head_dim=128)),
-        "Qwen3-8B 32/8 d128, 256 mixed": (mixed, dict(num_heads=32, num_kv_heads=8, head_dim=128)),
-        "Llama-3.2-1B 32/8 d64, 256 mixed": (mixed, dict(num_heads=32, num_kv_heads=8, head_dim=64)),
-        "TinyLlama 32/4 d64, 256 mixed": (mixed, dict(num_heads=32, num_kv_heads=4, head_dim=64)),
-    }
+    else:
+        mixed = torch.randint(100, 2049, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+        every = {
+            "Qwen3-0.6B 16/8 d128, 256 x 1024": ([1024] * 256, QWEN3),
+            "Qwen3-0.6B 16/8 d128, 256 mixed": (mixed, QWEN3),
+            "Qwen3-8B 32/8 d128, 256 mixed": (mixed, QWEN3_8B),
+            "Llama-3.2-1B 32/8 d64, 256 mixed": (mixed, LLAMA32_1B),
+            "TinyLlama 32/4 d64, 256 mixed": (mixed, TINYLLAMA),
+        }
+    return {name: shape for name, shape in every.items() if not name.startswith(skip)}
 
 
-def main() -> None:
+def sweep(variants, out_name: str, skip_shapes: tuple[str, ...] = ()) -> None:
+    """Every (kind, kernel, config) of variants(cache) on every shape, bf16 and fp8 caches, checked against the
+    float32 reference and timed as CUDA-graph replays; $OUT/out_name holds every row, a table is printed last.
+    --dry-run: the Triton interpreter on tiny shapes (times meaningless)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    args = parser.parse_args()
+    dry_run = parser.parse_args().dry_run
     ak = load_attention_kernels()
-    from pagedllm.kernels import decode_attention
-
-    if args.dry_run:
+    if dry_run:
         ak.DEVICE, ak.MODEL_DTYPE = "cpu", "float16"
-    configs = FMA_CONFIGS[:2] if args.dry_run else FMA_CONFIGS
-    copy_bw = 1.0 if args.dry_run else ak.copy_bandwidth()
+    copy_bw = 1.0 if dry_run else ak.copy_bandwidth()
     results = []
-    for name, (seq_lens, heads) in shapes(args.dry_run).items():
+    for name, (seq_lens, heads) in shapes(dry_run, skip_shapes).items():
         for cache in ("auto", "fp8"):
             batch = ak.decode_batch(seq_lens, **heads, kv_cache_dtype=cache)
             expected = ak.reference(batch, heads["head_dim"] ** -0.5)
-            variants = [("dot (default)", decode_attention, {})]
-            variants += [("fma", decode_attention_fma, config) for config in configs]
-            for kind, kernel, config in variants:
+            for kind, kernel, config in variants(cache, dry_run):
                 row = {"shape": name, "cache": cache, "kernel": kind}
-                row.update(run_one(ak, batch, kernel, config, copy_bw, expected, args.dry_run))
+                row.update(run_one(ak, batch, kernel, config, copy_bw, expected, dry_run))
                 print(row, flush=True)
                 results.append(row)
             del batch, expected
-    out_dir = Path(os.environ.get("OUT", "."))
-    (out_dir / "decode_fma.json").write_text(json.dumps(results, indent=1))
-    print("\n| shape | cache | kernel | config | us | % of copy | rel err |\n|---|---|---|---|---|---|---|")
+    (Path(os.environ.get("OUT", ".")) / out_name).write_text(json.dumps(results, indent=1))
+    print("\n| shape | cache | kernel | variant | us | % of copy | rel err |\n|---|---|---|---|---|---|---|")
     for row in results:
-        config = {k: row[k] for k in ("block_n", "num_warps", "num_stages") if k in row}
-        if "error" in row:
-            print(f"| {row['shape']} | {row['cache']} | {row['kernel']} | {config} | error: {row['error'][:60]} |||")
-            continue
-        print(f"| {row['shape']} | {row['cache']} | {row['kernel']} | {config} | {row['us']:.1f} | "
-              f"{row['pct_of_copy']:.0f} | {row['rel_err']:.1e} |")  # fmt: skip
+        variant = {k: v for k, v in row.items() if k not in ("shape", "cache", "kernel", "us", "pct_of_copy",
+                                                              "rel_err", "error")}  # fmt: skip
+        cells = f"error: {row['error'][:80]} ||" if "error" in row else (
+            f"{row['us']:.1f} | {row['pct_of_copy']:.0f} | {row['rel_err']:.1e}")  # fmt: skip
+        print(f"| {row['shape']} | {row['cache']} | {row['kernel']} | {variant} | {cells} |")
     bad = [row for row in results if "error" in row or row["rel_err"] > 2e-2]
     print(f"\n{len(bad)} rows failed or exceeded rel_err 2e-2")
 
 
+def fma_variants(cache: str, dry_run: bool) -> list:
+    from pagedllm.kernels import decode_attention
+
+    configs = FMA_CONFIGS[:2] if dry_run else FMA_CONFIGS
+    return [("dot (default)", decode_attention, {})] + [("fma", decode_attention_fma, c) for c in configs]
+
+
 if __name__ == "__main__":
-    main()
+    sweep(fma_variants, "decode_fma.json")
