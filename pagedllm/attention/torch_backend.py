@@ -11,11 +11,10 @@ Invariant: a decoding row's output has the same bits whatever else the step hold
 the other rows of its own verify query, prompts beside it). CPU SDPA gives a row other bits when its query block
 holds more rows or when its keys are padded to another length inside a 512-key tile (benchmarks/NOTES.md,
 "Speculation changes greedy outputs"); one row per entry and a key length that is the row's own leave it nothing to
-vary. That is
-what makes greedy speculation equal greedy decoding and batch composition change nothing on models whose layers
-round activations to bfloat16 (the default model's kept GGUF blocks), where a last-bit difference can flip a
-near-tied token. A prompt chunk's rows still depend on the chunk (its row count): another chunking, or a cached
-prefix, can change them in the last bits.
+vary. That is what makes greedy speculation equal greedy decoding and batch composition change nothing on models
+whose layers round activations to bfloat16 (the default model's kept GGUF blocks), where a last-bit difference can
+flip a near-tied token. A prompt chunk's rows still depend on the chunk (its row count): another chunking, or a
+cached prefix, can change them in the last bits.
 """
 
 from __future__ import annotations

@@ -20,16 +20,22 @@ def primed_stream(backend, prompt_token_ids: list[int], skip_special_tokens: boo
     DecodeStream(ids=prompt) returns the whole prompt's text with the first output piece when that text ends inside
     a character (tokenizers 0.23 keeps no prefix then). So it is seeded with the prompt up to its last whole
     character, and the tokens after it are stepped through: their bytes wait in the stream, and show with the output's
-    first piece (as U+FFFD if the output does not complete them), as vLLM's primed stream shows them."""
-    decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    first piece (as U+FFFD if the output does not complete them), as vLLM's primed stream shows them. A prompt whose
+    last tokens form no character at all (bytes no later byte completes) primes an empty stream with its last
+    FLUSH_CONTEXT tokens: the output's first piece may then show those few tokens' text, never the whole prompt's."""
+    ends_inside = lambda end: backend.decode(
+        prompt_token_ids[max(0, end - FLUSH_CONTEXT) : end], skip_special_tokens=skip_special_tokens
+    ).endswith("\ufffd")
     cut = len(prompt_token_ids)
-    while cut > max(0, len(prompt_token_ids) - MAX_TOKENS_INSIDE_A_CHARACTER) and decode(
-        prompt_token_ids[max(0, cut - FLUSH_CONTEXT) : cut]
-    ).endswith("\ufffd"):
+    while cut > max(0, len(prompt_token_ids) - MAX_TOKENS_INSIDE_A_CHARACTER) and ends_inside(cut):
         cut -= 1
-    stream = DecodeStream(ids=list(prompt_token_ids[:cut]), skip_special_tokens=skip_special_tokens)
-    for token_id in prompt_token_ids[cut:]:
-        stream.step(backend, token_id)  # inside the character: no text yet
+    if cut > 0 and ends_inside(cut):
+        seed, rest = [], prompt_token_ids[-FLUSH_CONTEXT:]
+    else:
+        seed, rest = prompt_token_ids[:cut], prompt_token_ids[cut:]
+    stream = DecodeStream(ids=list(seed), skip_special_tokens=skip_special_tokens)
+    for token_id in rest:
+        stream.step(backend, token_id)  # their text, if any, is the prompt's
     return stream
 
 

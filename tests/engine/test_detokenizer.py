@@ -138,6 +138,10 @@ def test_a_prompt_ending_inside_a_character_stays_out_of_the_output(tokenizer):
     completed = IncrementalDetokenizer(tokenizer, prompt)  # the output's first byte completes the character
     completed.update(tokenizer.encode("é")[1:] + output)
     assert completed.text == "é" + tokenizer.decode(output)
+    lone_bytes = tokenizer.encode("é")[1:] * 6  # continuation bytes that no later byte makes a character
+    garbled = IncrementalDetokenizer(tokenizer, tokenizer.encode("The capital of") + lone_bytes)
+    garbled.update(output)
+    assert "capital" not in garbled.text and garbled.text.endswith(tokenizer.decode(output))
 
 
 def test_skip_special_tokens(tokenizer):
