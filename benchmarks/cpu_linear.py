@@ -12,7 +12,9 @@ Variants (each holds the same Q4_1-like weight, except int8_rows, which is there
 - int4_g32_x2: the same kernel over [x, x] and a weight of twice the columns, an 8-bit value split in two 4-bit
   halves (Q8_0 exactly; Q5_* likewise);
 - int8_rows (bfloat16): `_weight_int8pack_mm`, int8 values with one scale per row (cannot hold Q8_0's scales);
-- dequant_mm: the 4-bit values dequantized at every call, then mm.
+- dequant_mm: the 4-bit values dequantized at every call, then mm;
+- grouped_4bit / grouped_8bit: pagedllm's own kernel (layers/quantization/cpu_grouped_gemm.cpp, what the engine runs
+  since session 24) on the Q4_1-like weight and on the 8-bit one (Q8_0 exactly), activations rounded to int16 per 32.
 Error: max |out - ref| / max |ref|, ref = float64 product of the activations and the weight the variant holds.
 
     python benchmarks/cpu_linear.py [--threads 2] [--rounds 5] [--rows 1 8 32 256] [--dtypes float32 bfloat16]
@@ -22,11 +24,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagedllm.layers.quantization.gguf import IntGroups, pack  # noqa: E402
 
 # (name, N, K) of SmolLM2-135M: hidden 576, intermediate 1536, 9 q heads / 3 kv heads x 64, vocabulary 49152
 SHAPES = [
@@ -81,6 +88,9 @@ class Weights:
             self.halves, torch.cat([16 * d8, d8], 1), torch.cat([0 * d8, 8 * d8], 1), dtype
         )
         self.q_rows = q8
+        self.grouped4 = IntGroups(self.values, d, low, 4)
+        self.grouped8 = IntGroups(q8, d8, torch.zeros_like(d8), 8)
+        self.packed4, self.packed8 = pack(self.grouped4), pack(self.grouped8)
         self.row_scales = (torch.rand(n) * 0.002).to(dtype)
         self.reordered: dict[int | str, torch.Tensor] = {}
 
@@ -114,6 +124,8 @@ class Weights:
             return F.linear(x, grouped.view(n, k))
 
         calls["dequant_mm"] = dequant_mm
+        calls["grouped_4bit"] = lambda: w.packed4.multiply(x).to(x.dtype)
+        calls["grouped_8bit"] = lambda: w.packed8.multiply(x).to(x.dtype)
         return calls
 
     def references(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -127,6 +139,8 @@ class Weights:
         return {
             "mm": float_ref, "mkl_packed": float_ref, "onednn_packed": float_ref, "int4_g32": int4_ref,
             "int4_g32_x2": int8_ref, "int8_rows": rows_ref, "dequant_mm": int4_ref,
+            "grouped_4bit": x64 @ self.grouped4.dequantize().double().t(),
+            "grouped_8bit": x64 @ self.grouped8.dequantize().double().t(),
         }  # fmt: skip
 
 

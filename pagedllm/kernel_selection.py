@@ -11,6 +11,8 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.selector import choose_backend, triton_installed
 from pagedllm.layers.kernel_choices import KernelChoices
+from pagedllm.layers.quantization import cpu_grouped_gemm
+from pagedllm.logger import logger
 
 FP8_WEIGHTS_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm's row and block scaling: Hopper and later
 
@@ -41,6 +43,8 @@ def resolve_quantization(
         reason = gguf_weights_unsupported_reason(device, checkpoint_format)
         if quantization == "gguf" and reason is not None:
             raise ValueError(f"quantization='gguf': {reason}; use quantization=None (dequantized weights)")
+        if reason is not None and device.type == "cpu" and checkpoint_format == "gguf":
+            logger.warning("GGUF blocks dequantized: %s", reason)
         return "gguf" if reason is None else None
     if quantization in (None, "none") or (quantization == "auto" and checkpoint_format != "fp8"):
         return None  # 16-bit weights: nothing to ask the device
@@ -57,7 +61,7 @@ def gguf_weights_unsupported_reason(device: torch.device, checkpoint_format: str
         return "GGUF weights need a GGUF file as the model"
     if device.type != "cpu":
         return f"GGUF weights run on the CPU, the device is {device.type}"
-    return None
+    return cpu_grouped_gemm.unavailable_reason()  # built on the first call
 
 
 def cpu_prompt_sdpa(quantization: str | None) -> str:
