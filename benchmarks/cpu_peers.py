@@ -3,7 +3,8 @@ engine in its own process (and its own venv), interleaved over rounds; one table
 machine's load around each run.
 
     python benchmarks/cpu_peers.py [--rounds 3] [--threads 2] [--engines pagedllm vllm llamacpp]
-        [--vllm-python /work/venvs/vllm/bin/python] [--llamacpp-python /work/venvs/llamacpp/bin/python]
+        [--dtypes float32 bfloat16 gguf] [--vllm-python /work/venvs/vllm/bin/python]
+        [--llamacpp-python /work/venvs/llamacpp/bin/python]
         [--output benchmarks/results/cpu_peers.json]
 
 Weights: the default model's GGUF (SmolLM2-135M-Instruct, Q4_1), saved once as a Hugging Face directory by
@@ -36,12 +37,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("one", "chat32", "nano64")
 # (engine, dtype, workload) rows of the table; "gguf": the GGUF file itself (llama.cpp's kernels, pagedllm's loader)
-CASES = [
-    (engine, dtype, workload)
-    for dtype in ("float32", "bfloat16")
-    for workload in WORKLOADS
-    for engine in ("pagedllm", "vllm")
-] + [("llamacpp", "gguf", "one"), ("pagedllm", "gguf", "one")]
+CASES = (
+    [
+        (engine, dtype, workload)
+        for dtype in ("float32", "bfloat16")
+        for workload in WORKLOADS
+        for engine in ("pagedllm", "vllm")
+    ]
+    + [("llamacpp", "gguf", "one")]
+    + [("pagedllm", "gguf", workload) for workload in WORKLOADS]
+)
 
 
 def make_workloads(hf_dir: Path) -> dict[str, dict]:
@@ -192,6 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=list(CHILDREN))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "gguf"])
     parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     parser.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
     parser.add_argument("--output", default=None, help="write every run and the table as JSON here")
@@ -220,6 +226,7 @@ def main() -> None:
     paths = {"hf_dir": str(hf_dir), "gguf": str(gguf), "work_file": str(work_file)}
     pythons = {"pagedllm": sys.executable, "vllm": args.vllm_python, "llamacpp": args.llamacpp_python}
     cases = [case for case in CASES if case[0] in args.engines and case[2] in args.workloads]
+    cases = [case for case in cases if case[1] in args.dtypes]
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     for round_index in range(args.rounds):
         for case in cases:
@@ -246,9 +253,12 @@ def print_table(runs: dict[tuple, list[dict]], threads: int) -> None:
         rate = median_rate(case)
         if rate is None:
             continue
-        peer = ("vllm" if dtype != "gguf" else "llamacpp", dtype, workload)
-        peer_rate = median_rate(peer) if engine == "pagedllm" else None
-        ratio = f"{rate / peer_rate:.2f}x {peer[0]}" if peer_rate else ""
+        peers = [("vllm", dtype, workload)]
+        if dtype == "gguf":  # llama.cpp on the same file, and vLLM's faster float dtype (the "vLLM's best")
+            vllm = [("vllm", d, workload) for d in ("float32", "bfloat16") if median_rate(("vllm", d, workload))]
+            peers = [("llamacpp", dtype, workload)] + sorted(vllm, key=median_rate)[-1:]
+        ratios = [f"{rate / median_rate(p):.2f}x {p[0]} {p[1]}" for p in peers if median_rate(p)]
+        ratio = "; ".join(ratios) if engine == "pagedllm" else ""
         loads = [r["load_before"] for r in values]
         rss = statistics.median(r["peak_rss_mb"] for r in values)
         print(f"| {workload} | {dtype} | {engine} | {rate:.1f} | {ratio} | {rss:.0f} | "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ def unavailable_reason() -> str | None:
     from torch.utils import cpp_extension
 
     flags = compiler_flags()
-    name = "pagedllm_cpu_grouped_gemm_" + ("avx2" if "-mavx2" in flags else "plain")
+    isa = "avx2" if "-mavx2" in flags else "plain"
+    name = re.sub(r"\W", "_", f"pagedllm_cpu_grouped_gemm_{isa}_torch_{torch.__version__}")  # a build per torch
     logger.info("Loading the CPU grouped-integer kernel (%s; compiled once, ~15 s, on the first use)", name)
     try:
         cpp_extension.load(
