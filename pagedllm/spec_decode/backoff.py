@@ -4,8 +4,9 @@ A verify step of 1 + m tokens costs more than a decode step of one; it pays when
 is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM head
 run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
 benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md), float weights cost 0.55 for the first extra row and
-0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept in 4 bits 0.26 a
-draft from the first (the int4 kernel's work grows with its rows). Accepting a of m drafts saves a decode steps,
+0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.30 a draft from
+the first (session 24's grouped-integer kernel: its work grows with its rows, a step of one row reads the weights at
+near the memory's rate). Accepting a of m drafts saves a decode steps,
 so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW verify steps, fewer
 accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row that proposed nothing
 (lookups cost host time; under async scheduling a request that may speculate keeps steps synchronous). A pause
@@ -40,7 +41,7 @@ class VerifyCost:
 
 
 FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
-INT4_BLOCKS = VerifyCost(0.0, 0.26)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
+INT4_BLOCKS = VerifyCost(0.0, 0.30)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
 
 
 def verify_cost(quantization: str | None) -> VerifyCost:
