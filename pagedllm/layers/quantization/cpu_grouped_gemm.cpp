@@ -3,8 +3,8 @@
 // group holds value j in its low nibble and value j + 16 in its high one, ggml's order) or 8-bit signed.
 //
 // Each row of x is rounded per group of 32 to int16 with a float step (x ~ q * step, step = max |x| / 32767), so a
-// group's dot product is exact in integers (int8 steps, as llama.cpp takes, moved the default model's logits by
-// several times bfloat16's change: benchmarks/NOTES.md):
+// group's dot product is exact in integers (int8 steps, as llama.cpp takes, were faster from 4 rows but flipped the
+// default model's answer to the README's question: benchmarks/NOTES.md, session 24):
 //   y[m, n] = sum_g scale[n, g] step[m, g] dot(value[n, g], q[m, g]) + offset[n, g] step[m, g] sum(q[m, g]).
 //
 // Invariant: every y[m, n] is computed by the same instructions in the same order whatever M is, however many
@@ -15,8 +15,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GROUPED_GEMM_AVX2 1
