@@ -60,8 +60,8 @@ FUSED_SAMPLER = EnvVar(
 )  # fmt: skip
 SKINNY_GEMM = EnvVar(
     "PAGEDLLM_SKINNY_GEMM", parse_bool, True,
-    "On CUDA, the projections of small decode steps go to the skinny-GEMM kernel where it beats cuBLAS "
-    "(kernels/skinny_gemm.py); 0: F.linear always (an A/B switch for benchmarks).",
+    "On CUDA, the projections of one-row decode steps go to the GEMV kernel, and of small ones to the skinny-GEMM "
+    "kernel where it beats cuBLAS (kernels/skinny_gemm.py); 0: F.linear always (an A/B switch for benchmarks).",
 )  # fmt: skip
 ONEDNN_LINEAR = EnvVar(
     "PAGEDLLM_ONEDNN_LINEAR", parse_bool, True,

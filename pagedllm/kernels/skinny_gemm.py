@@ -1,12 +1,18 @@
 """y = x W^T (+ bias) for a few rows of x (M <= 16): decode steps of small batches, where the weights are the bytes.
 
-One program owns BLOCK_N output features and a slice of K: it streams its [BLOCK_N, K slice] of W once, in 16-byte
-rows along K, and multiplies the x rows (padded to 16 for the tensor cores, masked) into a float32 accumulator. With
-few output features (o_proj, down_proj) K is split so that every multiprocessor has work; each split writes float32
-partial sums and a second kernel adds them in split order (deterministic: no atomics) with the bias, in W's dtype.
+One row (a one-sequence decode step) goes to `gemv`: no tensor cores, no padding; each program owns two output
+features and streams their rows of W in 16-byte pieces, multiplying by x in float32 (FMAs) and summing once at the end.
+On the H200 (benchmarks/experiments/gemv_sweep.py, graph replays of every layer's projection) it took 1.03-3.9x less
+time than cuBLAS at one row on every projection of Qwen3-0.6B, TinyLlama-1.1B, Llama-3.2-1B and Llama-3.1-8B, within
+9% of the best of 132 tile choices on each (a step's projections, Qwen3-0.6B: 861 us cuBLAS, 656 skinny, 461 best).
 
-cuBLAS's kernels for such shapes moved the weights at 0.8-1.6 TB/s on the H200 (Qwen3-0.6B shape, one sequence:
-0.83 ms of GEMMs per step where the weights need 0.29 ms at the copy bandwidth; benchmarks/NOTES.md).
+Two to MAX_ROWS rows go to `skinny_linear`. One program owns BLOCK_N output features and a slice of K: it streams its
+[BLOCK_N, K slice] of W once, in 16-byte rows along K, and multiplies the x rows (padded to 16 for the tensor cores,
+masked) into a float32 accumulator. With few output features (o_proj, down_proj) K is split so that every
+multiprocessor has work; each split writes float32 partial sums and a second kernel adds them in split order
+(deterministic: no atomics) with the bias, in W's dtype.
+
+Both sum in an order fixed by the shapes alone: the same inputs give the same bits on every call.
 """
 
 from __future__ import annotations
@@ -18,12 +24,11 @@ import triton.language as tl
 from pagedllm.kernels.device import multiprocessor_count
 
 MAX_ROWS = 16  # rows of x one launch takes: the tensor cores' smallest M
-# The unquantized linear method (layers/linear_method.py) sends a product here only where the H200 measured it
-# faster than cuBLAS (benchmarks/skinny_gemm.py, whole-step graphs of every layer's projections): Qwen3-0.6B's
-# (hidden size 1024: each weight has a side of 1024, and at most 6.3M values) at 1 row (622 vs 817 us) and 4 rows
-# (692 vs 742), but not at 16 (707 vs 651).
-# TinyLlama-1.1B's and Llama-3.2-1B's (hidden size 2048) were 2-5% slower at 1 and 4 rows, whether the kernel took
-# every projection or only those of at most 8M values.
+# The unquantized linear method (layers/linear_method.py) sends a product of 2-4 rows to skinny_linear only where
+# the H200 measured it faster than cuBLAS (benchmarks/skinny_gemm.py, whole-step graphs of every layer's
+# projections): Qwen3-0.6B's (hidden size 1024: each weight has a side of 1024, and at most 6.3M values) at 4 rows
+# (692 vs 742 us), but not at 16 (707 vs 651). TinyLlama-1.1B's and Llama-3.2-1B's (hidden size 2048) were 2-5%
+# slower, whether the kernel took every projection or only those of at most 8M values. One row always takes gemv.
 DISPATCH_MAX_ROWS = 4
 DISPATCH_MAX_SIDE = 1024
 DISPATCH_MAX_WEIGHTS = 1 << 23
@@ -93,6 +98,58 @@ def _sum_splits_kernel(
     tl.store(out_ptr + row * stride_out + features, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K]: one row
+    w_ptr,  # [N, K], rows contiguous
+    bias_ptr,  # [N] (HAS_BIAS only)
+    out_ptr,  # [N]
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # No tensor cores: each thread multiplies its 16-byte pieces of W by x in float32 and keeps the products apart
+    # until the loop ends ([BLOCK_N, BLOCK_K] partial sums), so the loop is loads and FMAs and one reduction closes it.
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feature_ok = features < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + features[:, None] * stride_w + ks[None, :], mask=feature_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + features, y.to(out_ptr.dtype.element_ty), mask=feature_ok)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block_n: int = 2,
+    block_k: int = 1024,
+    num_warps: int = 4,
+    num_stages: int = 1,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row x [1, K] and weight [N, K] with contiguous rows, without tensor cores.
+    The default tile is the one closest to each projection's best in the sweep (module docstring)."""
+    assert x.shape[0] == 1 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1 and x.stride(1) == 1
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs_wanted: int, max_split: int = 8) -> int:
     """The fewest K splits that give programs_wanted programs, keeping at least two BLOCK_K steps per split."""
     tiles = triton.cdiv(n, block_n)
@@ -148,13 +205,20 @@ def beats_cublas(num_rows: int, weight: torch.Tensor) -> bool:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the linear method sends this product to skinny_linear (where the kernel choices allow the kernel at
-    all: CUDA, PAGEDLLM_SKINNY_GEMM on): 16-bit, where it beats cuBLAS."""
+    """Whether the linear method sends this product to `linear` (where the kernel choices allow the kernels at all:
+    CUDA, PAGEDLLM_SKINNY_GEMM on): 16-bit, one row, or a few rows where skinny_linear beats cuBLAS."""
     return (
         x.dim() == 2
-        and beats_cublas(x.shape[0], weight)
+        and (x.shape[0] == 1 or beats_cublas(x.shape[0], weight))
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
     )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of a call that `takes` accepted: one row through gemv, more through skinny_linear."""
+    if x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return skinny_linear(x, weight, bias)

@@ -20,7 +20,8 @@ class KernelChoices:
     # at 800 rows). The result of a row differs in its last bits; the choice is made in kernel_selection.
     torch_prompt_sdpa: Literal["math", "flash"] = "math"
     rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
-    # skinny_gemm: small products may take kernels/skinny_gemm; onednn: weights reordered once for oneDNN (CPU)
+    # skinny_gemm: small products may take kernels/skinny_gemm (the GEMV, the skinny GEMM); onednn: weights
+    # reordered once for oneDNN (CPU)
     linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
     sampler: Literal["torch", "triton_race"] = "torch"  # triton_race: plain races in kernels/race_sampling
     compile: bool = False  # torch.compile the element-wise functions (layers/compile.py)

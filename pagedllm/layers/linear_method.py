@@ -42,10 +42,11 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
 
 class UnquantizedLinearMethod(LinearMethod):
     """The weight as the checkpoint has it, in the model's dtype. y = F.linear, or, where the choices allow the
-    skinny GEMM, a product of a few rows of x (a small decode step) by a narrow weight goes to that kernel, where it
-    was measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py). With `onednn` (CPU), the weight
-    is reordered once into oneDNN's blocked layout when loaded and every product runs through oneDNN: 1.3-6x faster
-    than aten::mm in float32 here, up to 2x in bfloat16 (benchmarks/NOTES.md, "GGUF weights on CPU")."""
+    skinny GEMM, a product of one row of x (a one-sequence decode step), or of a few rows by a narrow weight, goes to
+    those kernels, where they were measured to stream the weights faster than cuBLAS (kernels/skinny_gemm.py). With
+    `onednn` (CPU), the weight is reordered once into oneDNN's blocked layout when loaded and every product runs
+    through oneDNN: 1.3-6x faster than aten::mm in float32 here, up to 2x in bfloat16 (benchmarks/NOTES.md, "GGUF
+    weights on CPU")."""
 
     def __init__(self, skinny_gemm: bool = False, onednn: bool = False):
         self.skinny_gemm = None
@@ -72,7 +73,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):
-            return self.skinny_gemm.skinny_linear(x, weight, bias)
+            return self.skinny_gemm.linear(x, weight, bias)
         if weight.dtype in self.onednn_dtypes and x.dtype == weight.dtype:  # reordered, or for this call
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
