@@ -7,7 +7,8 @@ seq_lens[i] - query_len_i ... seq_lens[i] - 1 of that sequence (earlier position
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +31,16 @@ class AttentionMetadata:
     # [num_seqs] on the host, or None: 1 where the sequence's new tokens are past its prompt (decode or verify rows),
     # which the torch backend attends row by row; None: every sequence as a prompt chunk unless decode_only.
     decoding: np.ndarray | None = None
+    # What layers derive from this step's inputs alone (the torch backend's gather indices and masks, the rotation's
+    # rows): computed by the first layer that asks (once) and shared by the others, since every layer of a step sees
+    # the same metadata. A new step builds new metadata, so nothing carries over.
+    derived: dict = field(default_factory=dict)
+
+    def once(self, key: str, compute: Callable[[], object]):
+        """derived[key], computed on the first call of the step."""
+        if key not in self.derived:
+            self.derived[key] = compute()
+        return self.derived[key]
 
     @property
     def num_seqs(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.casts import cast
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import kernel_choices
 
@@ -12,17 +13,17 @@ from pagedllm.layers.kernel_choices import kernel_choices
 @fusible
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers does it: statistics in float32, weight applied in the input dtype.
-    x32 = x.float()
+    x32 = cast(x, torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return weight * cast(x32, x.dtype)
 
 
 @fusible
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     residual = x + residual
-    x32 = residual.float()
+    x32 = cast(residual, torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(residual.dtype), residual
+    return weight * cast(x32, residual.dtype), residual
 
 
 class RMSNorm(nn.Module):

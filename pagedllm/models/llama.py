@@ -56,10 +56,16 @@ class SelfAttention(nn.Module):
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         if self.rotates_in_place:
             self.rotate_in_place(qkv, positions)
-        else:
-            if self.qk_norm:
-                query, key = self.q_norm(query), self.k_norm(key)
-            query, key = self.rotary_emb(positions, query, key)
+            return self.o_proj(self.attn(query, key, value, metadata))
+        # Every layer's rotary table is the same (one spec), so the first layer's rows serve the step.
+        rows = metadata.once("rotary rows", lambda: self.rotary_emb.rows(positions))
+        if self.qk_norm:
+            query, key = self.rotary_emb(self.q_norm(query), rows), self.rotary_emb(self.k_norm(key), rows)
+        else:  # q and k are neighbours in qkv: one rotation for both
+            qk = self.rotary_emb(
+                qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rows
+            )
+            query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(query, key, value, metadata))
 
     def rotate_in_place(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:

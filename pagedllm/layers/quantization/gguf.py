@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.layers.casts import cast
 from pagedllm.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.layers.quantization.cpu_grouped_gemm import GROUP, grouped_mm, require
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
@@ -163,7 +164,7 @@ class PackedGroups:
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x W^T, float32 [M, N]."""
-        return grouped_mm(x.float().contiguous(), self.values, self.scales, self.bits)
+        return grouped_mm(cast(x, torch.float32).contiguous(), self.values, self.scales, self.bits)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight's rows `ids` (1-D), dequantized to `dtype`: [len(ids), K]."""
@@ -238,7 +239,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None:
             return super().apply(layer, x, bias)
-        out = self.packed.multiply(x).to(x.dtype)
+        out = cast(self.packed.multiply(x), x.dtype)
         return out if bias is None else out + bias
 
     def describe(self) -> str:
@@ -306,4 +307,4 @@ class GGUFVocabMethod:
         return self.packed.rows(input_ids.flatten(), dtype).view(*input_ids.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.packed.multiply(hidden).to(hidden.dtype)
+        return cast(self.packed.multiply(hidden), hidden.dtype)
