@@ -1,18 +1,18 @@
 """Who speculates: a request whose drafts are seldom accepted stops for a while, and a large batch does not.
 
-A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. Its cost
-is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM head
-run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
+A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. Its
+cost is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM
+head run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
 benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md), float weights cost 0.55 for the first extra row and
-0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.30 a draft from
-the first (session 24's grouped-integer kernel: its work grows with its rows, a step of one row reads the weights at
-near the memory's rate). Accepting a of m drafts saves a decode steps,
-so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW verify steps, fewer
-accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row that proposed nothing
-(lookups cost host time; under async scheduling a request that may speculate keeps steps synchronous). A pause
-lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps scheduled ahead
-without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries again with an
-empty window. Larger batches cost more per draft (at 8 sequences a draft cost 0.4 decode steps): above
+0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.35 a draft from
+the first (0.32-0.39 at m = 1..5 after session 25 halved a step's torch calls: the grouped-integer kernel's work
+grows with its rows, while a step of one row reads the weights at near the memory's rate). Accepting a of m drafts
+saves a decode steps, so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW
+verify steps, fewer accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row
+that proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
+synchronous). A pause lasts PAUSE_TOKENS of the request's output tokens (counted in tokens, not calls, so that steps
+scheduled ahead without proposing count too), twice as long after each pause, up to MAX_PAUSE_TOKENS; then it tries
+again with an empty window. Larger batches cost more per draft (at 8 sequences a draft cost 0.4 decode steps): above
 SpeculativeConfig.disable_by_batch_size running sequences none speculates.
 """
 
@@ -41,7 +41,7 @@ class VerifyCost:
 
 
 FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
-INT4_BLOCKS = VerifyCost(0.0, 0.30)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
+INT4_BLOCKS = VerifyCost(0.0, 0.35)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
 
 
 def verify_cost(quantization: str | None) -> VerifyCost:
