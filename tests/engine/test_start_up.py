@@ -4,6 +4,9 @@ has not met."""
 from __future__ import annotations
 
 import gc
+import sys
+
+import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor import start_up
@@ -28,6 +31,33 @@ def test_start_up_ends_with_a_full_collection(tiny_model_dirs):
     older = [generation for generation in collected if generation >= 1]
     assert older and older[-1] == 2, older[-12:]
     llm.shutdown()
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def test_start_up_gives_freed_heap_memory_back(tiny_model_dirs, monkeypatch):
+    """glibc keeps freed heap memory for later allocations; start-up's last step hands it back. Here: 200 MB freed in
+    64 KB pieces (under glibc's mmap threshold, so on the heap) leave the process as large until it runs."""
+    calls = []
+    monkeypatch.setattr(start_up, "release_freed_heap", lambda: calls.append(1) or True)
+    LLM(tiny_model_dirs["qwen3"], num_kv_blocks=64, skip_tokenizer_init=True).shutdown()
+    assert calls == [1]  # once, at the end of LLM()
+    monkeypatch.undo()
+    pieces = [bytearray(64 * 1024) for _ in range(3200)]
+    for piece in pieces:
+        piece[::4096] = b"x" * len(piece[::4096])  # touch every page
+    top = bytearray(64 * 1024)  # alive above them: the heap's top cannot shrink past it on its own
+    before_free = resident_mb()
+    del pieces, piece
+    freed = resident_mb()
+    assert start_up.release_freed_heap()
+    trimmed = resident_mb()
+    assert freed - trimmed > 100, (before_free, freed, trimmed)
+    del top
 
 
 def test_lm_head_warm_up_covers_every_row_count_steps_use(tiny_model_dirs, monkeypatch):
