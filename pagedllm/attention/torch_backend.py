@@ -90,16 +90,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, n
     return context.view(num_seqs, -1, *cache.shape[2:])[:, :num_positions]
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] -> [num_seqs, max_seq_len, H, D], positions in order through the block table."""
-    block_ids = context_block_ids(block_tables, max_seq_len, cache.shape[1])
-    return gather_blocks(cache, block_ids, block_tables.shape[0], max_seq_len)
-
-
 def gather_kv(
     cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, max_seq_len: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """gather_context in dtype; an fp8 cache is dequantized with its scales ([num_blocks, H, block_size])."""
+    """[num_blocks, block_size, H, D] -> [num_seqs, max_seq_len, H, D] in dtype, positions in order through the block
+    table; an fp8 cache is dequantized with its scales ([num_blocks, H, block_size])."""
     block_ids = context_block_ids(block_tables, max_seq_len, cache.shape[1])
     return gather_kv_blocks(cache, scales, block_ids, block_tables.shape[0], max_seq_len, dtype)
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.kernel_choices import kernel_choices
-from pagedllm.layers.linear import check_full_shape, unquantized_method
+from pagedllm.layers.linear import check_full_shape
+from pagedllm.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.layers.parallel_state import tp_group
 from pagedllm.layers.quantization.gguf import GGUFVocabMethod
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
@@ -59,10 +60,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        # Float weights multiply as the linear layers' do: oneDNN on CPU (the default model's float32 head: 6.3 ms a
-        # row against aten::mm's 14.3), the GEMV for one row on CUDA (Qwen3-0.6B's head: 73 us against cuBLAS's 80).
-        # The weight stays as loaded: a tied head shares it with the embedding.
-        self.product = unquantized_method(kernel_choices()).product
+        # Float weights through oneDNN on CPU, as the linear layers' (the default model's float32 head: 6.3 ms a row
+        # against aten::mm's 14.3); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
+        # cuBLAS's 80 alone, not yet measured in the engine). The weight stays as loaded: a tied head shares it.
+        self.product = UnquantizedLinearMethod(onednn=kernel_choices().linear == "onednn").product
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on rank 0 (padding dropped); None on the other ranks, which only send their

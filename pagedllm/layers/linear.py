@@ -37,11 +37,6 @@ def linear_method(choices: KernelChoices) -> LinearMethod:
         return GGUFLinearMethod(onednn=choices.linear == "onednn")
     if choices.quantization is not None:
         return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
-    return unquantized_method(choices)
-
-
-def unquantized_method(choices: KernelChoices) -> UnquantizedLinearMethod:
-    """Float weights' products as the choices take them (also the LM head's, whatever the layers' quantization)."""
     return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm", onednn=choices.linear == "onednn")
 
 
