@@ -2,7 +2,7 @@
 
 cos/sin are precomputed once for every position up to max_position as a [max_position, head_dim // 2] table.
 A step looks up its positions' rows once (`rows`, full width: cos twice, -sin then sin) and every layer rotates with
-them: x * cos + halves_swapped(x) * sin, which is x1 cos - x2 sin | x2 cos + x1 sin to the last bit (negating a
+them: x * cos + swap_halves(x) * sin, which is x1 cos - x2 sin | x2 cos + x1 sin to the last bit (negating a
 factor is exact), in three element-wise ops instead of a chunk, six ops and a cat for each of q and k.
 Supported scalings: none ("default"), "linear" and Llama-3's "llama3".
 """
