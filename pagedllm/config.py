@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch's names of the dtypes an engine runs in
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
@@ -64,10 +64,11 @@ class EngineConfig:
         for field in fields(self):
             FIELD_RULES[field.name].validate(field.name, getattr(self, field.name))
         self.speculative()  # a ValueError saying which key is wrong
-        if self.attention_backend == "triton" and resolve_device(self.device).type != "cuda":
+        needs = {"triton": "cuda", "cpu": "cpu"}.get(self.attention_backend)
+        if needs is not None and resolve_device(self.device).type != needs:
             raise ValueError(
-                f"attention_backend='triton' needs a CUDA device, but device={self.device!r} is "
-                f"{resolve_device(self.device).type}; use attention_backend='torch' or None"
+                f"attention_backend={self.attention_backend!r} needs a {needs.upper()} device, but "
+                f"device={self.device!r} is {resolve_device(self.device).type}; use attention_backend='torch' or None"
             )
         self.check_trace_file()
 
@@ -102,13 +103,13 @@ class EngineConfig:
         DecoderSpec, the dtype its weights are stored in, their format: None, "fp8" or "gguf"); a ValueError when
         max_model_len is past the model's limit or the quantization asked for cannot run here. Reads the kernel
         switches of the environment now (pagedllm/envs.py)."""
-        from pagedllm.kernel_selection import resolve_kernel_choices, resolve_quantization
+        from pagedllm.kernel_selection import asked_attention_backend, resolve_kernel_choices, resolve_quantization
 
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
-        attention_backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        attention_backend = asked_attention_backend(self.attention_backend, device)
         quantization = resolve_quantization(self.quantization, device, checkpoint_format, self.attention_backend)
         kernels = resolve_kernel_choices(
             attention_backend=attention_backend, device=device, head_dim=spec.head_dim,
@@ -392,7 +393,7 @@ FIELD_RULES: dict[str, Rule] = {
     "attention_backend": Rule(
         "the attention kernels",
         (str, NONE),
-        "None (triton on CUDA, torch elsewhere), 'torch' or 'triton'",
+        "None (triton on CUDA, cpu on CPU), 'torch', 'triton' or 'cpu'",
         lambda value: value in (None, *ATTENTION_BACKENDS),
     ),
     "async_scheduling": Rule(

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import envs
-from pagedllm.attention.selector import choose_backend, triton_installed
+from pagedllm import cpu_kernels, envs
+from pagedllm.attention.selector import choose_backend, default_backend, triton_installed
 from pagedllm.layers.kernel_choices import KernelChoices
-from pagedllm.layers.quantization import cpu_grouped_gemm
 from pagedllm.logger import logger
 
 FP8_WEIGHTS_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm's row and block scaling: Hopper and later
@@ -61,7 +60,7 @@ def gguf_weights_unsupported_reason(device: torch.device, checkpoint_format: str
         return "GGUF weights need a GGUF file as the model"
     if device.type != "cpu":
         return f"GGUF weights run on the CPU, the device is {device.type}"
-    return cpu_grouped_gemm.unavailable_reason()  # built on the first call
+    return cpu_kernels.unavailable_reason()  # built on the first call
 
 
 def cpu_prompt_sdpa(quantization: str | None) -> str:
@@ -70,6 +69,12 @@ def cpu_prompt_sdpa(quantization: str | None) -> str:
     session 22): there the math path stays, so a prompt row's bits stay those the default model's answers were
     checked with, for no speed lost."""
     return "math" if quantization == "gguf" else "flash"
+
+
+def asked_attention_backend(name: str | None, device: torch.device) -> str:
+    """`name`, or the device's default backend (triton on CUDA, cpu on CPU): what config.attention_backend records.
+    The backend that runs may still fall back to torch (resolve_kernel_choices)."""
+    return name or default_backend(device)
 
 
 def resolve_kernel_choices(

@@ -32,16 +32,17 @@ def fake_triton_installed(monkeypatch) -> None:
 
 
 def test_cpu_defaults():
-    """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, plain torch kernels
-    (the linear layers through oneDNN, prompt chunks on SDPA's flash kernel)."""
+    """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, the in-place C++
+    attention (prompt chunks on SDPA's flash kernel), the linear layers through oneDNN, plain torch otherwise."""
     resolved = EngineConfig(device="cpu").resolve(tiny_spec(), torch.bfloat16)
     assert resolved.device == torch.device("cpu")
     assert resolved.dtype == torch.float32
     assert resolved.max_model_len == 1024  # the tiny models' max_position_embeddings
     assert resolved.async_scheduling is False
     assert (
-        resolved.kernels == dataclasses.replace(TORCH_KERNELS, linear="onednn", torch_prompt_sdpa="flash")
-        and resolved.config.attention_backend == "torch"
+        resolved.kernels
+        == dataclasses.replace(TORCH_KERNELS, attention="cpu", linear="onednn", torch_prompt_sdpa="flash")
+        and resolved.config.attention_backend == "cpu"
     )
 
 
@@ -102,7 +103,7 @@ def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as
     for field in dataclasses.fields(EngineConfig):
         expected = getattr(resolved, field.name) if field.name in concrete else getattr(config, field.name)
         if field.name == "attention_backend":
-            expected = "torch"  # None made concrete: the CPU's backend
+            expected = "cpu"  # None made concrete: the CPU's backend
         if field.name == "quantization":
             expected = None  # "auto" made concrete: this checkpoint's weights are not quantized
         assert getattr(resolved.config, field.name) == expected, field.name

@@ -1,9 +1,11 @@
-"""resolve_kernel_choices: today's kernels on CUDA by default, plain torch (linear layers through oneDNN) on CPU, plain
-torch with attention_backend='torch',
-the environment read when resolving. CUDA is a torch.device here: resolving only reads its type (and, for an fp8
-cache, its compute capability, replaced here), so no GPU is needed."""
+"""resolve_kernel_choices: today's kernels on CUDA by default, the in-place C++ attention and oneDNN linear layers on
+CPU, plain torch with attention_backend='torch' on a GPU, the environment read when resolving. CUDA is a
+torch.device here: resolving only reads its type (and, for an fp8 cache, its compute capability, replaced here), so
+no GPU is needed."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR")
-CPU_KERNELS = KernelChoices(linear="onednn", torch_prompt_sdpa="flash")
+CPU_KERNELS = KernelChoices(attention="cpu", linear="onednn", torch_prompt_sdpa="flash")
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
 )
@@ -30,11 +32,12 @@ def triton_and_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_cpu_runs_plain_torch_with_onednn_linear_layers(monkeypatch):
+def test_cpu_runs_the_in_place_attention_and_onednn_linear_layers(monkeypatch):
     assert resolve_kernel_choices(None, CPU, 64) == CPU_KERNELS
-    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == CPU_KERNELS
+    assert resolve_kernel_choices("cpu", CPU, 64, "fp8") == CPU_KERNELS
+    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == dataclasses.replace(CPU_KERNELS, attention="torch")
     monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
-    assert resolve_kernel_choices(None, CPU, 64) == KernelChoices(torch_prompt_sdpa="flash")
+    assert resolve_kernel_choices(None, CPU, 64) == KernelChoices(attention="cpu", torch_prompt_sdpa="flash")
 
 
 def test_cpu_prompts_take_sdpas_flash_kernel_except_with_gguf_blocks_kept():

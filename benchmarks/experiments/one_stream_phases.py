@@ -2,8 +2,9 @@
 512-token prompt decoding N tokens on a `pagedllm bench` checkpoint: per decode step, the period (between two steps'
 tokens reaching the scheduler), the device's own time (CUDA events around the forward and the sampling) and the
 host's phases, medians over the steady steps. With --variants, in one process (processes differ by up to 0.1 ms a
-step here), the one-row products go in turn to the GEMV, the skinny GEMM (tensor cores) and cuBLAS, the batch-1
-decode graph captured again for each, interleaved over --rounds.
+step here), the one-row products go in turn to the GEMV, the skinny GEMM (tensor cores) and cuBLAS (or the GEMV
+with the LM head on cuBLAS: gemv_head_cublas), the batch-1 decode graph captured again for each, interleaved over
+--rounds.
 
 Run on a GPU after `pagedllm bench --shape S` wrote the checkpoint:
     python benchmarks/experiments/one_stream_phases.py --checkpoint /tmp/pagedllm-bench/qwen3-0.6b \
@@ -25,6 +26,7 @@ ONE_ROW = {  # what kernels/skinny_gemm.linear runs for one row, per variant
     "gemv": lambda skinny_gemm: skinny_gemm.gemv,
     "skinny": lambda skinny_gemm: skinny_gemm.skinny_linear,
     "cublas": lambda skinny_gemm: F.linear,
+    "gemv_head_cublas": lambda skinny_gemm: skinny_gemm.gemv,  # the layers' rows by the GEMV, the LM head by cuBLAS
 }
 
 
@@ -73,6 +75,8 @@ def main() -> None:
     from pagedllm.kernels import skinny_gemm
 
     two_or_more = skinny_gemm.skinny_linear
+    lm_head = llm.llm_engine.worker.model.lm_head
+    head_product = lm_head.product
     plan = [(-1, "as built")] if args.as_built_first or not args.variants else []
     plan += [(round_index, variant) for round_index in range(args.rounds) for variant in args.variants]
     for round_index, variant in plan:
@@ -81,6 +85,7 @@ def main() -> None:
             skinny_gemm.linear = lambda x, w, b=None, one_row=one_row: (
                 one_row(x, w, b) if x.shape[0] == 1 else two_or_more(x, w, b)
             )
+            lm_head.product = F.linear if variant == "gemv_head_cublas" else head_product
             recapture_one_sequence_graph(llm)
         result = decode_phases(llm, args.tokens, seed=max(round_index, 0))
         print(f"round {round_index} {variant}: period {result.pop('period'):.3f} ms; device forward "

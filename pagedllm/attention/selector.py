@@ -1,5 +1,5 @@
-"""Which attention backend runs a model: the one asked for, except that a model the Triton kernels cannot take
-falls back to the torch backend with one warning instead of failing."""
+"""Which attention backend runs a model: the one asked for, except that a model the Triton kernels cannot take, or a
+machine where the CPU kernels cannot be built, falls back to the torch backend with one warning instead of failing."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib.util
 
 import torch
 
+from pagedllm import cpu_kernels
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.triton_limits import FP8_MIN_CAPABILITY, TRITON_HEAD_DIM_MULTIPLE, TRITON_MAX_HEAD_DIM
 from pagedllm.logger import logger
@@ -29,26 +30,41 @@ def triton_unsupported_reason(device: torch.device, head_dim: int, kv_cache_dtyp
     return None
 
 
+def default_backend(device: torch.device) -> str:
+    """triton on CUDA, cpu (the in-place C++ kernel) on CPU, torch elsewhere."""
+    return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+
+
 def choose_backend(name: str | None, device: torch.device, head_dim: int, kv_cache_dtype: str = "auto") -> str:
-    """The name of the backend that runs: `name`, or with None triton on CUDA and torch elsewhere; triton falls back
-    to torch where its kernels cannot take the model. Call once per engine: a fallback logs one warning."""
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+    """The name of the backend that runs: `name`, or with None the device's default_backend; triton falls back to
+    torch where its kernels cannot take the model, cpu where its kernels cannot be built. Call once per engine: a
+    fallback logs one warning."""
+    name = name or default_backend(device)
     if name == "triton":
         reason = triton_unsupported_reason(device, head_dim, kv_cache_dtype)
         if reason is None:
             return "triton"
         logger.warning("attention: the triton kernels cannot run this model (%s); using the torch backend", reason)
+    if name == "cpu":
+        reason = cpu_kernels.unavailable_reason()
+        if reason is None:
+            return "cpu"
+        logger.warning("attention: %s; using the torch backend", reason)
     return "torch"
 
 
 def create_backend(name: str, torch_prompt_sdpa: str = "math") -> AttentionBackend:
     """The backend choose_backend named (importing Triton only for the triton backend); torch_prompt_sdpa: the
-    torch backend's kernel for prompt chunks (KernelChoices)."""
+    prompt chunks' SDPA kernel of the torch and cpu backends (KernelChoices)."""
+    flash_prompts = torch_prompt_sdpa == "flash"
     if name == "triton":
         from pagedllm.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "cpu":
+        from pagedllm.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(flash_prompts=flash_prompts)
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(flash_prompts=torch_prompt_sdpa == "flash")
+    return TorchAttentionBackend(flash_prompts=flash_prompts)

@@ -167,32 +167,51 @@ def row_groups(row_tables: torch.Tensor, visible: list[int], block_size: int) ->
     return groups
 
 
-def step_layout(metadata: AttentionMetadata, block_size: int) -> StepLayout:
+@dataclass(slots=True)
+class StepRows:
+    """A step's rows split by how they attend: prompt chunks, and the rows of decoding sequences (each with the
+    keys it sees and its sequence's index) attended one at a time."""
+
+    chunks: list[PromptChunk]
+    short_rows: list[int]
+    short_visible: list[int]
+    short_seqs: list[int]
+
+
+def split_rows(metadata: AttentionMetadata, block_size: int) -> StepRows:
     """The rows of decoding sequences (decode rows, verify rows: at most ROW_WISE_MAX_QUERY new tokens, past the
     prompt) one at a time; every other sequence's new tokens as one prompt chunk."""
-    if metadata.decode_only:  # one row per sequence, its visible length the sequence's
-        return StepLayout([], None, row_groups(metadata.block_tables, metadata.seq_lens.tolist(), block_size))
     device = metadata.block_tables.device
     query_start = metadata.query_start_loc.tolist()
     decoding = metadata.decoding
-    chunks, short_rows, short_visible, short_seqs = [], [], [], []
+    split = StepRows([], [], [], [])
     for index, seq_len in enumerate(metadata.seq_lens.tolist()):
         start, end = query_start[index], query_start[index + 1]
         if start == end:  # an empty padding sequence (a step padded to a graph's shapes)
             continue
         if end - start <= ROW_WISE_MAX_QUERY and decoding is not None and decoding[index]:
-            short_rows.extend(range(start, end))
-            short_visible.extend(range(seq_len - (end - start) + 1, seq_len + 1))
-            short_seqs.extend([index] * (end - start))
+            split.short_rows.extend(range(start, end))
+            split.short_visible.extend(range(seq_len - (end - start) + 1, seq_len + 1))
+            split.short_seqs.extend([index] * (end - start))
             continue
         block_ids = context_block_ids(metadata.block_tables[index : index + 1], seq_len, block_size)
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
         visible = torch.arange(seq_len, device=device)[None] <= query_pos[:, None]
-        chunks.append(PromptChunk(start, end, seq_len, block_ids, visible))
-    if not short_rows:
-        return StepLayout(chunks, None, [])
-    tables = metadata.block_tables[torch.tensor(short_seqs, device=device)]  # a table row for each row
-    return StepLayout(chunks, torch.tensor(short_rows, device=device), row_groups(tables, short_visible, block_size))
+        split.chunks.append(PromptChunk(start, end, seq_len, block_ids, visible))
+    return split
+
+
+def step_layout(metadata: AttentionMetadata, block_size: int) -> StepLayout:
+    """split_rows, the short rows grouped by padded key length (row_groups)."""
+    if metadata.decode_only:  # one row per sequence, its visible length the sequence's
+        return StepLayout([], None, row_groups(metadata.block_tables, metadata.seq_lens.tolist(), block_size))
+    split = split_rows(metadata, block_size)
+    if not split.short_rows:
+        return StepLayout(split.chunks, None, [])
+    device = metadata.block_tables.device
+    tables = metadata.block_tables[torch.tensor(split.short_seqs, device=device)]  # a table row for each row
+    groups = row_groups(tables, split.short_visible, block_size)
+    return StepLayout(split.chunks, torch.tensor(split.short_rows, device=device), groups)
 
 
 def paged_attention(
@@ -217,7 +236,17 @@ def paged_attention(
     if layout.short_rows is None and not layout.chunks:
         return row_wise_attention(query, layout.groups, kv, scale)
     out = torch.empty_like(query)
-    for chunk in layout.chunks:
+    attend_chunks(query, layout.chunks, kv, scale, flash_prompts, out)
+    if layout.short_rows is not None:
+        out[layout.short_rows] = row_wise_attention(query[layout.short_rows], layout.groups, kv, scale)
+    return out
+
+
+def attend_chunks(query, chunks: list[PromptChunk], kv, scale: float, flash_prompts: bool, out: torch.Tensor) -> None:
+    """out[chunk rows] = each prompt chunk's causal attention over its sequence's context, gathered (one copy of
+    that sequence's context, small beside the chunk's products)."""
+    k_cache, v_cache, k_scale, v_scale = kv
+    for chunk in chunks:
         keys, values = (
             gather_kv_blocks(cache, scales, chunk.block_ids, 1, chunk.seq_len, query.dtype)[0].transpose(0, 1)
             for cache, scales in ((k_cache, k_scale), (v_cache, v_scale))
@@ -229,9 +258,6 @@ def paged_attention(
             queries, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         ).reshape(-1, chunk.end - chunk.start, query.shape[-1])  # [heads, rows, dim]
         out[chunk.start : chunk.end] = attended.transpose(0, 1)
-    if layout.short_rows is not None:
-        out[layout.short_rows] = row_wise_attention(query[layout.short_rows], layout.groups, kv, scale)
-    return out
 
 
 def row_wise_attention(query, groups: list[RowGroup], kv, scale):

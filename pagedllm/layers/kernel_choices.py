@@ -15,9 +15,9 @@ from typing import Literal
 class KernelChoices:
     """The defaults are plain torch everywhere: what runs on CPU, and on a GPU with attention_backend='torch'."""
 
-    attention: Literal["torch", "triton"] = "torch"  # the attention backend (attention/selector.py)
-    # The torch backend's prompt chunks on CPU: SDPA's math path (3-D tensors) or its flash kernel (4-D: 4.3x faster
-    # at 800 rows). The result of a row differs in its last bits; the choice is made in kernel_selection.
+    attention: Literal["torch", "triton", "cpu"] = "torch"  # the attention backend (attention/selector.py)
+    # The torch and cpu backends' prompt chunks on CPU: SDPA's math path (3-D tensors) or its flash kernel (4-D: 4.3x
+    # faster at 800 rows). The result of a row differs in its last bits; the choice is made in kernel_selection.
     torch_prompt_sdpa: Literal["math", "flash"] = "math"
     rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
     # skinny_gemm: small products may take kernels/skinny_gemm (the GEMV, the skinny GEMM); onednn: weights

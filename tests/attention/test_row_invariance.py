@@ -1,6 +1,6 @@
-"""The torch backend's invariant: a decode or verify row's attention output has the same bits whatever else its step
-holds. CPU SDPA alone gives a row other bits when its batch is padded to a longer sequence or when its query block
-holds more rows; on a model whose layers round activations to bfloat16 that flips near-tied greedy tokens, so
+"""The torch and cpu backends' invariant: a decode or verify row's attention output has the same bits whatever else
+its step holds. CPU SDPA alone gives a row other bits when its batch is padded to a longer sequence or when its query
+block holds more rows; on a model whose layers round activations to bfloat16 that flips near-tied greedy tokens, so
 speculation and batch composition would change greedy output."""
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import cpu_kernels
+from pagedllm.attention import cpu_backend, torch_backend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import ROW_WISE_MAX_QUERY, paged_attention
+from pagedllm.attention.torch_backend import ROW_WISE_MAX_QUERY
+
+BACKENDS = {"torch": torch_backend.paged_attention, "cpu": cpu_backend.paged_attention}
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 # Each sequence's context after the step; "small" and "near" pad to the same 128 keys, "target" and "mid" to 512.
@@ -20,7 +24,10 @@ CONTEXTS = {"target": 300, "long": 1500, "short": 7, "prompt": 90, "small": 100,
 class PagedCache:
     """Random K/V for every position of four sequences, each in its own shuffled blocks."""
 
-    def __init__(self, dtype: torch.dtype, generator: torch.Generator):
+    def __init__(self, dtype: torch.dtype, generator: torch.Generator, backend: str = "torch"):
+        if backend == "cpu":
+            cpu_kernels.require()
+        self.attention = BACKENDS[backend]
         self.blocks_per_seq = -(-max(CONTEXTS.values()) // BLOCK_SIZE)
         num_blocks = len(CONTEXTS) * self.blocks_per_seq
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -47,12 +54,13 @@ class PagedCache:
             decode_only=all(n == 1 for n in lens),
             decoding=np.array([name != "prompt" for name in names], np.int32),  # the rest decode or verify
         )
-        return paged_attention(query, self.k_cache, self.v_cache, metadata, HEAD_DIM**-0.5)
+        return self.attention(query, self.k_cache, self.v_cache, metadata, HEAD_DIM**-0.5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_bits_do_not_change_with_the_rest_of_its_step(dtype):
-    cache = PagedCache(dtype, torch.Generator().manual_seed(0))
+def test_a_rows_bits_do_not_change_with_the_rest_of_its_step(dtype, backend):
+    cache = PagedCache(dtype, torch.Generator().manual_seed(0), backend)
     alone = cache.step({"target": 1})
     steps = {
         "decode beside a longer and a shorter sequence": (cache.step({"short": 1, "target": 1, "long": 1}), 1),
@@ -64,11 +72,12 @@ def test_a_rows_bits_do_not_change_with_the_rest_of_its_step(dtype):
         assert torch.equal(out[row], alone[0]), what
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_short_rows_bits_do_not_change_beside_rows_padded_alike_or_not(dtype):
+def test_a_short_rows_bits_do_not_change_beside_rows_padded_alike_or_not(dtype, backend):
     """Below one 512-key tile a row's keys are padded to a power of two; a row sharing its call with another of the
     same padded length, or beside rows of other lengths, keeps the bits it has alone."""
-    cache = PagedCache(dtype, torch.Generator().manual_seed(2))
+    cache = PagedCache(dtype, torch.Generator().manual_seed(2), backend)
     alone = cache.step({"small": 1})
     steps = {
         "beside a row padded to the same length": (cache.step({"near": 1, "small": 1}), 1),
@@ -80,9 +89,10 @@ def test_a_short_rows_bits_do_not_change_beside_rows_padded_alike_or_not(dtype):
         assert torch.equal(out[row], alone[0]), what
 
 
-def test_rows_are_the_attention_they_stand_for():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_are_the_attention_they_stand_for(backend):
     """Row-wise attention is still attention: each row against one SDPA call over exactly its visible keys."""
-    cache = PagedCache(torch.float32, torch.Generator().manual_seed(1))
+    cache = PagedCache(torch.float32, torch.Generator().manual_seed(1), backend)
     out = cache.step({"short": 1, "target": 4, "prompt": 40, "long": 1, "small": 3})
     rows = [("short", 6), *(("target", p) for p in range(296, 300)), *(("prompt", p) for p in range(50, 90)),
             ("long", 1499), *(("small", p) for p in range(97, 100))]  # fmt: skip
@@ -95,3 +105,21 @@ def test_rows_are_the_attention_they_stand_for():
             cache.queries[name][position][:, None], keys, values, scale=HEAD_DIM**-0.5, enable_gqa=True
         )[:, 0]
         torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_bits_do_not_change_with_the_thread_count():
+    """The cpu backend's kernel splits rows (or a row's KV heads) over threads; each is computed by one thread."""
+    cache = PagedCache(torch.float32, torch.Generator().manual_seed(3), "cpu")
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(cache.step({"short": 1, "target": 4, "long": 1}))
+            outputs.append(cache.step({"target": 1}))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outputs[2::2]:
+        assert torch.equal(out, outputs[0])
+    for out in outputs[3::2]:
+        assert torch.equal(out, outputs[1])

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from pagedllm import cpu_kernels
 from pagedllm.kernel_selection import resolve_quantization
-from pagedllm.layers.quantization import cpu_grouped_gemm
 from pagedllm.layers.quantization.gguf import IntGroups, pack
 
 K, N = 256, 40
@@ -47,8 +47,8 @@ def test_rows_do_not_depend_on_the_thread_count_and_empty_steps_work(bits):
 PLAIN_BUILD = """
 import sys, torch
 from torch.utils import cpp_extension
-from pagedllm.layers.quantization import cpu_grouped_gemm
-cpp_extension.load(name="pagedllm_cpu_grouped_gemm_plain_test", sources=[str(cpu_grouped_gemm.SOURCE)],
+from pagedllm import cpu_kernels
+cpp_extension.load(name="pagedllm_cpu_grouped_gemm_plain_test", sources=[str(cpu_kernels.GROUPED_GEMM_SOURCE)],
                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
 x, values, scales, out = sys.argv[1:]
 torch.save(torch.ops.pagedllm_cpu.grouped_int4_mm(torch.load(x), torch.load(values), torch.load(scales)), out)
@@ -56,7 +56,7 @@ torch.save(torch.ops.pagedllm_cpu.grouped_int4_mm(torch.load(x), torch.load(valu
 
 
 def test_the_plain_path_computes_what_the_avx2_path_does(tmp_path):
-    if "-mavx2" not in cpu_grouped_gemm.compiler_flags():
+    if "-mavx2" not in cpu_kernels.compiler_flags():
         pytest.skip("this CPU runs the plain path already (every other test here covers it)")
     packed = pack(weights(4))
     x = torch.randn(6, K) * torch.logspace(-2, 2, K)
@@ -70,7 +70,7 @@ def test_the_plain_path_computes_what_the_avx2_path_does(tmp_path):
 
 def test_a_kernel_that_cannot_be_built_dequantizes_the_blocks_and_says_why(monkeypatch, caplog):
     reason = "the CPU grouped-integer kernel could not be built (OSError: no compiler)"
-    monkeypatch.setattr(cpu_grouped_gemm, "unavailable_reason", lambda: reason)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: reason)
     cpu = torch.device("cpu")
     logger = logging.getLogger("pagedllm")
     monkeypatch.setattr(logger, "propagate", True)

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.cpu_kernels import require
 from pagedllm.layers.casts import cast
 from pagedllm.layers.linear_method import UnquantizedLinearMethod
-from pagedllm.layers.quantization.cpu_grouped_gemm import GROUP, grouped_mm, require
+from pagedllm.layers.quantization.cpu_grouped_gemm import GROUP, grouped_mm
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor
 
 
