@@ -3,7 +3,7 @@
 tokens reaching the scheduler), the device's own time (CUDA events around the forward and the sampling) and the
 host's phases, medians over the steady steps. With --variants, in one process (processes differ by up to 0.1 ms a
 step here), the one-row products go in turn to the GEMV, the skinny GEMM (tensor cores) and cuBLAS (or the GEMV
-with the LM head on cuBLAS: gemv_head_cublas), the batch-1 decode graph captured again for each, interleaved over
+taking the LM head's row too: gemv_and_head), the batch-1 decode graph captured again for each, interleaved over
 --rounds.
 
 Run on a GPU after `pagedllm bench --shape S` wrote the checkpoint:
@@ -26,7 +26,7 @@ ONE_ROW = {  # what kernels/skinny_gemm.linear runs for one row, per variant
     "gemv": lambda skinny_gemm: skinny_gemm.gemv,
     "skinny": lambda skinny_gemm: skinny_gemm.skinny_linear,
     "cublas": lambda skinny_gemm: F.linear,
-    "gemv_head_cublas": lambda skinny_gemm: skinny_gemm.gemv,  # the layers' rows by the GEMV, the LM head by cuBLAS
+    "gemv_and_head": lambda skinny_gemm: skinny_gemm.gemv,  # the LM head's one row by the GEMV too
 }
 
 
@@ -85,7 +85,11 @@ def main() -> None:
             skinny_gemm.linear = lambda x, w, b=None, one_row=one_row: (
                 one_row(x, w, b) if x.shape[0] == 1 else two_or_more(x, w, b)
             )
-            lm_head.product = F.linear if variant == "gemv_head_cublas" else head_product
+            lm_head.product = head_product
+            if variant == "gemv_and_head":
+                lm_head.product = lambda x, w, b=None: (
+                    skinny_gemm.gemv(x, w, b) if x.shape[0] == 1 else F.linear(x, w, b)
+                )
             recapture_one_sequence_graph(llm)
         result = decode_phases(llm, args.tokens, seed=max(round_index, 0))
         print(f"round {round_index} {variant}: period {result.pop('period'):.3f} ms; device forward "

@@ -60,13 +60,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        # The linear layers' product: float weights through oneDNN on CPU (the default model's float32 head: 6.3 ms a
-        # row against aten::mm's 14.3); on CUDA one row through the GEMV (Qwen3-0.6B's head 73 us against cuBLAS's
-        # 80, alone), more through cuBLAS (the head is too large for the skinny GEMM's rows). The weight stays as
-        # loaded: a tied head shares it.
-        choices = kernel_choices()
-        method = UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm", onednn=choices.linear == "onednn")
-        self.product = method.product
+        # Float weights through oneDNN on CPU, as the linear layers' (the default model's float32 head: 6.3 ms a row
+        # against aten::mm's 14.3); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
+        # cuBLAS's 80 alone, not yet measured in the engine). The weight stays as loaded: a tied head shares it.
+        self.product = UnquantizedLinearMethod(onednn=kernel_choices().linear == "onednn").product
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on rank 0 (padding dropped); None on the other ranks, which only send their
