@@ -36,10 +36,12 @@ inline float float_from_bits(uint32_t bits) {
 }
 
 // e^x for x <= 0, within ~2 ulp: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial of degree 7 in Horner form. Branch-free, so a loop of it vectorizes. Below -87, e^x is clamped to
-// e^-87 (~1.6e-38), whose weight beside the row's largest probability (1) is nothing.
+// polynomial of degree 7 in Horner form. Branch-free, so a loop of it vectorizes. Below -87 it is 0: e^-87 (~1.6e-38)
+// weighs nothing beside the row's largest probability (1), and its products with values would be subnormal, which
+// the core computes far slower.
 inline float exp_nonpositive(float x) {
   constexpr float LOG2E = 1.44269504f, LN2_HIGH = 0.693359375f, LN2_LOW = -2.12194440e-4f;
+  const bool negligible = x < -87.f;
   x = std::max(x, -87.f);
   const float n = std::floor(x * LOG2E + 0.5f);
   const float r = (x - n * LN2_HIGH) - n * LN2_LOW;
@@ -51,7 +53,7 @@ inline float exp_nonpositive(float x) {
   poly = poly * r + 0.5f;
   poly = poly * r + 1.f;
   poly = poly * r + 1.f;
-  return poly * float_from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return negligible ? 0.f : poly * float_from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -140,6 +142,7 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * visible;
     float largest = -INFINITY;
+#pragma omp simd reduction(max : largest)
     for (int64_t p = 0; p < visible; ++p) largest = std::max(largest, s[p]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
