@@ -89,6 +89,16 @@ def test_the_kernels_are_chosen_for_the_checkpoints_head_dim(monkeypatch):
     assert resolved.config.attention_backend == "triton"
 
 
+def test_each_device_backend_needs_its_device(monkeypatch):
+    """attention_backend='cpu' on a GPU, or 'triton' on the CPU: an error naming the device it needs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' needs a CPU device, but device='cuda' is cuda"):
+        EngineConfig(device="cuda", attention_backend="cpu")
+    with pytest.raises(ValueError, match=r"attention_backend='triton' needs a CUDA device, but device='cpu' is cpu"):
+        EngineConfig(device="cpu", attention_backend="triton")
+
+
 def test_given_values_are_kept():
     config = EngineConfig(device="cpu", dtype="bf16", max_model_len=100, async_scheduling=True)
     resolved = config.resolve(tiny_spec(), torch.float16)
