@@ -121,14 +121,26 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, table_width;
 };
 
-// visit(p, cache row) for positions p = 0 .. visible - 1, in order, block by block through the table; `row` indexes
-// the cache as [slot, kv_heads] rows of head_dim values, the first of the position's kv_heads rows.
-template <typename Visit>
-inline void for_each_position(const int32_t* table, int64_t visible, const Shape& shape, Visit&& visit) {
+// visit(p, cache row, block, offset) for positions p = 0 .. visible - 1, in order, block by block through the table;
+// the cache row indexes the cache as [slot, kv_heads] rows of head_dim values (the first of the position's). The
+// rows of the position PREFETCH_AHEAD later are prefetched from `cache` as each is visited: a sequence's blocks lie
+// anywhere in the cache, which the hardware prefetchers do not follow.
+constexpr int64_t PREFETCH_AHEAD = 2;
+
+template <typename Cache, typename Visit>
+inline void for_each_position(const int32_t* table, int64_t visible, const Shape& shape, const Cache* cache,
+                              Visit&& visit) {
   const int64_t block_size = shape.block_size, blocks = (visible + block_size - 1) / block_size;
+  const int64_t slot_values = shape.kv_heads * shape.dim, slot_bytes = slot_values * sizeof(Cache);
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t block = table[j], count = std::min(block_size, visible - j * block_size);
     for (int64_t offset = 0; offset < count; ++offset) {
+      const int64_t ahead = j * block_size + offset + PREFETCH_AHEAD;
+      if (ahead < visible) {
+        const int64_t slot = table[ahead / block_size] * block_size + ahead % block_size;
+        const char* row = reinterpret_cast<const char*>(cache + slot * slot_values);
+        for (int64_t at = 0; at < slot_bytes; at += 64) __builtin_prefetch(row + at);
+      }
       visit(j * block_size + offset, (block * block_size + offset) * shape.kv_heads, block, offset);
     }
   }
@@ -152,7 +164,7 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
   float* widened_row = totals + rows;       // one cache row widened to float32
   const Query* first_query = query + first_head * shape.group * dim;
   for (int64_t i = 0; i < rows * dim; ++i) q[i] = static_cast<float>(first_query[i]) * scale;
-  for_each_position(table, visible, shape, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
+  for_each_position(table, visible, shape, k_cache, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
     for (int64_t head = first_head; head < last_head; ++head) {
       const float* key = widened(k_cache + (slot_row + head) * dim, widened_row, dim);
       const float key_scale = k_scales ? k_scales[(block * kv_heads + head) * block_size + offset] : 1.f;
@@ -176,7 +188,7 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
     totals[r] = total;
   }
   std::fill(acc, acc + rows * dim, 0.f);
-  for_each_position(table, visible, shape, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
+  for_each_position(table, visible, shape, v_cache, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
     for (int64_t head = first_head; head < last_head; ++head) {
       const float* value = widened(v_cache + (slot_row + head) * dim, widened_row, dim);
       const float value_scale = v_scales ? v_scales[(block * kv_heads + head) * block_size + offset] : 1.f;
