@@ -121,27 +121,32 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, table_width;
 };
 
-// visit(p, cache row, block, offset) for positions p = 0 .. visible - 1, in order, block by block through the table;
-// the cache row indexes the cache as [slot, kv_heads] rows of head_dim values (the first of the position's). The
-// rows of the position PREFETCH_AHEAD later are prefetched from `cache` as each is visited: a sequence's blocks lie
-// anywhere in the cache, which the hardware prefetchers do not follow.
+// visit(p, head, row, row_scale) for positions p = 0 .. visible - 1 in order, block by block through the table, and
+// for each KV head of first_head .. last_head - 1 at that position: its cache row as float32 (widened into
+// `scratch` unless the cache is float32) and its fp8 scale (1 without scales). The rows of the position
+// PREFETCH_AHEAD later are prefetched as each is visited: a sequence's blocks lie anywhere in the cache, which the
+// hardware prefetchers do not follow.
 constexpr int64_t PREFETCH_AHEAD = 2;
 
 template <typename Cache, typename Visit>
-inline void for_each_position(const int32_t* table, int64_t visible, const Shape& shape, const Cache* cache,
-                              Visit&& visit) {
+inline void for_each_row(const Cache* cache, const float* scales, const int32_t* table, int64_t visible,
+                         int64_t first_head, int64_t last_head, const Shape& shape, float* scratch, Visit&& visit) {
   const int64_t block_size = shape.block_size, blocks = (visible + block_size - 1) / block_size;
   const int64_t slot_values = shape.kv_heads * shape.dim, slot_bytes = slot_values * sizeof(Cache);
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t block = table[j], count = std::min(block_size, visible - j * block_size);
     for (int64_t offset = 0; offset < count; ++offset) {
-      const int64_t ahead = j * block_size + offset + PREFETCH_AHEAD;
+      const int64_t p = j * block_size + offset, ahead = p + PREFETCH_AHEAD;
       if (ahead < visible) {
         const int64_t slot = table[ahead / block_size] * block_size + ahead % block_size;
         const char* row = reinterpret_cast<const char*>(cache + slot * slot_values);
         for (int64_t at = 0; at < slot_bytes; at += 64) __builtin_prefetch(row + at);
       }
-      visit(j * block_size + offset, (block * block_size + offset) * shape.kv_heads, block, offset);
+      const Cache* slot_rows = cache + (block * block_size + offset) * slot_values;
+      for (int64_t head = first_head; head < last_head; ++head) {
+        const float row_scale = scales ? scales[(block * shape.kv_heads + head) * block_size + offset] : 1.f;
+        visit(p, head, widened(slot_rows + head * shape.dim, scratch, shape.dim), row_scale);
+      }
     }
   }
 }
@@ -153,8 +158,8 @@ template <typename Query, typename Cache>
 void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache, const float* k_scales,
                   const float* v_scales, const int32_t* table, int64_t visible, int64_t first_head, int64_t last_head,
                   float scale, const Shape& shape, Query* out) {
-  const int64_t dim = shape.dim, block_size = shape.block_size, kv_heads = shape.kv_heads;
-  const int64_t rows = (last_head - first_head) * shape.group;  // query heads of the range
+  const int64_t dim = shape.dim, group = shape.group;
+  const int64_t rows = (last_head - first_head) * group;  // query heads of the range
   thread_local std::vector<float> buffer;
   buffer.resize(rows * (visible + 2 * dim + 1) + dim);
   float* q = buffer.data();              // [rows, dim]: the queries, times the scale
@@ -162,18 +167,14 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
   float* scores = acc + rows * dim;      // [rows, visible]: scores, then probabilities
   float* totals = scores + rows * visible;  // [rows]: the probabilities' sums
   float* widened_row = totals + rows;       // one cache row widened to float32
-  const Query* first_query = query + first_head * shape.group * dim;
+  const Query* first_query = query + first_head * group * dim;
   for (int64_t i = 0; i < rows * dim; ++i) q[i] = static_cast<float>(first_query[i]) * scale;
-  for_each_position(table, visible, shape, k_cache, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
-    for (int64_t head = first_head; head < last_head; ++head) {
-      const float* key = widened(k_cache + (slot_row + head) * dim, widened_row, dim);
-      const float key_scale = k_scales ? k_scales[(block * kv_heads + head) * block_size + offset] : 1.f;
-      for (int64_t g = 0; g < shape.group; ++g) {
-        const int64_t r = (head - first_head) * shape.group + g;
-        scores[r * visible + p] = dot(q + r * dim, key, dim) * key_scale;
-      }
-    }
-  });
+  for_each_row(k_cache, k_scales, table, visible, first_head, last_head, shape, widened_row,
+               [&](int64_t p, int64_t head, const float* key, float key_scale) {
+                 for (int64_t r = (head - first_head) * group; r < (head - first_head + 1) * group; ++r) {
+                   scores[r * visible + p] = dot(q + r * dim, key, dim) * key_scale;
+                 }
+               });
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * visible;
     float largest = -INFINITY;
@@ -188,20 +189,16 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
     totals[r] = total;
   }
   std::fill(acc, acc + rows * dim, 0.f);
-  for_each_position(table, visible, shape, v_cache, [&](int64_t p, int64_t slot_row, int64_t block, int64_t offset) {
-    for (int64_t head = first_head; head < last_head; ++head) {
-      const float* value = widened(v_cache + (slot_row + head) * dim, widened_row, dim);
-      const float value_scale = v_scales ? v_scales[(block * kv_heads + head) * block_size + offset] : 1.f;
-      for (int64_t g = 0; g < shape.group; ++g) {
-        const int64_t r = (head - first_head) * shape.group + g;
-        const float weight = scores[r * visible + p] * value_scale;
-        float* a = acc + r * dim;
+  for_each_row(v_cache, v_scales, table, visible, first_head, last_head, shape, widened_row,
+               [&](int64_t p, int64_t head, const float* value, float value_scale) {
+                 for (int64_t r = (head - first_head) * group; r < (head - first_head + 1) * group; ++r) {
+                   const float weight = scores[r * visible + p] * value_scale;
+                   float* a = acc + r * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] += weight * value[d];
-      }
-    }
-  });
-  Query* first_out = out + first_head * shape.group * dim;
+                   for (int64_t d = 0; d < dim; ++d) a[d] += weight * value[d];
+                 }
+               });
+  Query* first_out = out + first_head * group * dim;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t d = 0; d < dim; ++d) first_out[r * dim + d] = static_cast<Query>(acc[r * dim + d] / totals[r]);
   }
