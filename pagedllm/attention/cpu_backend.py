@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import PromptChunk, attend_chunks, kept_slots, split_rows, store_kv_cache
+from pagedllm.attention.torch_backend import PromptChunk, TorchAttentionBackend, attend_chunks, split_rows
 from pagedllm.cpu_kernels import require
 
 
@@ -80,16 +80,12 @@ def paged_attention(
     return out
 
 
-class CpuAttentionBackend:
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend's store, then paged_attention above."""
+
     name = "cpu"
+    attend = staticmethod(paged_attention)
 
     def __init__(self, flash_prompts: bool = False):
         require()  # kernel_selection chose this backend only where the kernels load
-        self.flash_prompts = flash_prompts  # prompt chunks on SDPA's flash kernel (torch_backend.attend_chunks)
-
-    def forward(
-        self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
-    ):
-        kept = metadata.once("torch_backend.kept_slots", lambda: kept_slots(metadata.slot_mapping))
-        store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale, kept)
-        return paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)
+        super().__init__(flash_prompts)

@@ -289,13 +289,14 @@ def attend_rows(query, group: RowGroup, kv, scale):
 
 class TorchAttentionBackend:
     name = "torch"
+    attend = staticmethod(paged_attention)  # after the store; the cpu backend puts its own here
 
     def __init__(self, flash_prompts: bool = False):
-        self.flash_prompts = flash_prompts  # paged_attention's
+        self.flash_prompts = flash_prompts  # attend's
 
     def forward(
         self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
     ):
         kept = metadata.once("torch_backend.kept_slots", lambda: kept_slots(metadata.slot_mapping))
         store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale, kept)
-        return paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)
+        return self.attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)
