@@ -1,7 +1,9 @@
 """The C++ kernels of the CPU path, built together into one library on first use with torch's C++ extension builder
-(into torch's extension cache: ~15 s once, both files compiled at once; then loaded in ms):
+(into torch's extension cache: ~15 s once, the files compiled at once; then loaded in ms):
 - layers/quantization/cpu_grouped_gemm.cpp: the GGUF blocks' grouped-integer product;
-- attention/cpu_paged_attention.cpp: decode and verify rows attended over the paged cache in place.
+- attention/cpu_paged_attention.cpp: decode and verify rows attended over the paged cache in place;
+- layers/cpu_layer_ops.cpp: a layer's small operations (norms, SiLU-and-mul, rotation, KV store), one call each;
+- cpu_vector_math.h: the float arithmetic they share.
 
 Where no compiler works, `unavailable_reason` says why; the GGUF blocks are then dequantized and attention runs on
 the torch backend (kernel_selection decides, with one log line each).
@@ -21,7 +23,8 @@ from pagedllm.logger import logger
 PACKAGE = Path(__file__).parent
 GROUPED_GEMM_SOURCE = PACKAGE / "layers" / "quantization" / "cpu_grouped_gemm.cpp"
 PAGED_ATTENTION_SOURCE = PACKAGE / "attention" / "cpu_paged_attention.cpp"
-SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE)
+LAYER_OPS_SOURCE = PACKAGE / "layers" / "cpu_layer_ops.cpp"
+SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE)
 
 
 def compiler_flags() -> list[str]:
@@ -46,6 +49,7 @@ def unavailable_reason() -> str | None:
             name=name,
             sources=[str(source) for source in SOURCES],
             extra_cflags=flags,
+            extra_include_paths=[str(PACKAGE)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

@@ -68,6 +68,11 @@ ONEDNN_LINEAR = EnvVar(
     "On CPU, the linear layers' weights are reordered once for oneDNN, which runs their products (faster than "
     "aten::mm at every row count measured); 0: F.linear (an A/B switch for benchmarks).",
 )  # fmt: skip
+CPU_LAYER_OPS = EnvVar(
+    "PAGEDLLM_CPU_LAYER_OPS", parse_bool, True,
+    "On CPU, a layer's norms, SiLU-and-mul, q/k rotation and KV store run as one C++ call each "
+    "(layers/cpu_layer_ops.cpp) where the CPU kernels build; 0: the torch expressions (an A/B switch for benchmarks).",
+)  # fmt: skip
 COMPILE = EnvVar(
     "PAGEDLLM_COMPILE", parse_bool, True,
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
@@ -108,6 +113,6 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 )  # fmt: skip

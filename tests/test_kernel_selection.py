@@ -16,8 +16,11 @@ from pagedllm.kernel_selection import resolve_kernel_choices
 from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-SWITCHES = ("PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR")
-CPU_KERNELS = KernelChoices(attention="cpu", linear="onednn", torch_prompt_sdpa="flash")
+SWITCHES = (
+    "PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR",
+    "PAGEDLLM_CPU_LAYER_OPS",
+)  # fmt: skip
+CPU_KERNELS = KernelChoices(attention="cpu", rotary="cpu", layer_ops="cpu", linear="onednn", torch_prompt_sdpa="flash")
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
 )
@@ -37,7 +40,15 @@ def test_cpu_runs_the_in_place_attention_and_onednn_linear_layers(monkeypatch):
     assert resolve_kernel_choices("cpu", CPU, 64, "fp8") == CPU_KERNELS
     assert resolve_kernel_choices("torch", CPU, 64, "fp8") == dataclasses.replace(CPU_KERNELS, attention="torch")
     monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
+    assert resolve_kernel_choices(None, CPU, 64) == dataclasses.replace(CPU_KERNELS, linear="torch")
+    monkeypatch.setenv("PAGEDLLM_CPU_LAYER_OPS", "0")
     assert resolve_kernel_choices(None, CPU, 64) == KernelChoices(attention="cpu", torch_prompt_sdpa="flash")
+
+
+def test_without_the_cpu_kernels_the_layers_small_ops_stay_torch_expressions(monkeypatch):
+    monkeypatch.setattr(kernel_selection.cpu_kernels, "unavailable_reason", lambda: "no compiler here")
+    choices = resolve_kernel_choices(None, CPU, 64)
+    assert (choices.attention, choices.rotary, choices.layer_ops) == ("torch", "torch", "torch")
 
 
 def test_cpu_prompts_take_sdpas_flash_kernel_except_with_gguf_blocks_kept():
@@ -95,9 +106,11 @@ def test_the_start_up_line_names_every_choice():
     line = TODAYS_CUDA.describe()
     assert (
         line
-        == "attention triton, rotary triton, linear skinny_gemm, sampler triton_race, compile on, weights unquantized"
+        == "attention triton, rotary triton, layer ops torch, linear skinny_gemm, sampler triton_race, compile on, "
+        "weights unquantized"
     )
     assert (
         TORCH_KERNELS.describe()
-        == "attention torch, rotary torch, linear torch, sampler torch, compile off, weights unquantized"
+        == "attention torch, rotary torch, layer ops torch, linear torch, sampler torch, compile off, "
+        "weights unquantized"
     )

@@ -81,7 +81,8 @@ def paged_attention(
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend's store, then paged_attention above."""
+    """The new K/V stored in C++ (the torch backend's store for an fp8 cache, or a cache of another dtype than the
+    model's), then paged_attention above."""
 
     name = "cpu"
     attend = staticmethod(paged_attention)
@@ -89,3 +90,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, flash_prompts: bool = False):
         require()  # kernel_selection chose this backend only where the kernels load
         super().__init__(flash_prompts)
+
+    def forward(
+        self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    ):
+        if k_scale is not None or key.dtype != k_cache.dtype:
+            return super().forward(query, key, value, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        torch.ops.pagedllm_cpu.store_kv_(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)

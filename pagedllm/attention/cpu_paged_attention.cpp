@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vector_math.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -29,45 +31,7 @@
 
 namespace {
 
-inline float float_from_bits(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-// e^x for x <= 0, within ~2 ulp: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial of degree 7 in Horner form. Branch-free, so a loop of it vectorizes. Below -87 it is 0: e^-87 (~1.6e-38)
-// weighs nothing beside the row's largest probability (1), and its products with values would be subnormal, which
-// the core computes far slower.
-inline float exp_nonpositive(float x) {
-  constexpr float LOG2E = 1.44269504f, LN2_HIGH = 0.693359375f, LN2_LOW = -2.12194440e-4f;
-  const bool negligible = x < -87.f;
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * LOG2E + 0.5f);
-  const float r = (x - n * LN2_HIGH) - n * LN2_LOW;
-  float poly = 1.f / 5040;
-  poly = poly * r + 1.f / 720;
-  poly = poly * r + 1.f / 120;
-  poly = poly * r + 1.f / 24;
-  poly = poly * r + 1.f / 6;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
-  return negligible ? 0.f : poly * float_from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-}
-
-// Eight floats that the compiler keeps in a vector register (GCC's and Clang's vector extensions: AVX, SSE or NEON
-// instructions, whichever the build targets). An OpenMP simd reduction kept its sum in memory instead.
-typedef float Lanes __attribute__((vector_size(32)));
-constexpr int64_t LANES = 8;
-
-inline Lanes load_lanes(const float* at) {
-  Lanes lanes;
-  std::memcpy(&lanes, at, sizeof lanes);
-  return lanes;
-}
-
-inline float sum_lanes(Lanes v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+using namespace pagedllm_cpu;
 
 // Two sums of eight lanes each, side by side, then the lanes, then the last n % 8 products: a fixed order for each n.
 inline float dot(const float* a, const float* b, int64_t n) {

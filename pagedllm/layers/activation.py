@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import cpu_layer_ops
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import kernel_choices
 
@@ -19,7 +20,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     def __init__(self):
         super().__init__()
-        self.silu_and_mul = fused(silu_and_mul, kernel_choices().compile)
+        choices = kernel_choices()
+        cpu = choices.layer_ops == "cpu"
+        self.silu_and_mul = cpu_layer_ops.silu_and_mul if cpu else fused(silu_and_mul, choices.compile)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(gate_up)

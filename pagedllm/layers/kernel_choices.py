@@ -19,7 +19,11 @@ class KernelChoices:
     # The torch and cpu backends' prompt chunks on CPU: SDPA's math path (3-D tensors) or its flash kernel (4-D: 4.3x
     # faster at 800 rows). The result of a row differs in its last bits; the choice is made in kernel_selection.
     torch_prompt_sdpa: Literal["math", "flash"] = "math"
-    rotary: Literal["torch", "triton"] = "torch"  # triton: q/k norms and rotation in one kernel, in place in qkv
+    # triton / cpu: q/k norms and rotation in one kernel (kernels/rotary.py / layers/cpu_layer_ops.cpp), in place in qkv
+    rotary: Literal["torch", "triton", "cpu"] = "torch"
+    # The norms (with their residual add) and SiLU-and-mul: torch expressions (compiled where `compile`), or cpu:
+    # one C++ call each (layers/cpu_layer_ops.cpp)
+    layer_ops: Literal["torch", "cpu"] = "torch"
     # skinny_gemm: small products may take kernels/skinny_gemm (the GEMV, the skinny GEMM); onednn: weights
     # reordered once for oneDNN (CPU)
     linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
@@ -35,7 +39,8 @@ class KernelChoices:
         """One line for the start-up log."""
         prompts = " (flash prompts)" if self.torch_prompt_sdpa == "flash" else ""
         return (
-            f"attention {self.attention}{prompts}, rotary {self.rotary}, linear {self.linear}, sampler {self.sampler}, "
+            f"attention {self.attention}{prompts}, rotary {self.rotary}, layer ops {self.layer_ops}, "
+            f"linear {self.linear}, sampler {self.sampler}, "
             f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_layer_ops
 from pagedllm.layers.casts import cast
 from pagedllm.layers.compile import fused, fusible
 from pagedllm.layers.kernel_choices import kernel_choices
@@ -31,8 +32,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        compile = kernel_choices().compile
-        self.rms_norm, self.add_rms_norm = fused(rms_norm, compile), fused(add_rms_norm, compile)
+        choices = kernel_choices()
+        if choices.layer_ops == "cpu":
+            self.rms_norm, self.add_rms_norm = cpu_layer_ops.rms_norm, cpu_layer_ops.add_rms_norm
+        else:
+            self.rms_norm = fused(rms_norm, choices.compile)
+            self.add_rms_norm = fused(add_rms_norm, choices.compile)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -44,8 +44,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        # triton: the q/k norms and the rotation as one kernel, in place in qkv (query and key view it)
-        self.rotates_in_place = kernel_choices().rotary == "triton"
+        # triton, cpu: the q/k norms and the rotation as one kernel, in place in qkv (query and key view it)
+        self.rotary_kernel = kernel_choices().rotary
+        self.rotates_in_place = self.rotary_kernel != "torch"
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -69,6 +70,12 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(query, key, value, metadata))
 
     def rotate_in_place(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.rotary_kernel == "cpu":
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            torch.ops.pagedllm_cpu.rotate_qk_(
+                qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norms
+            )
+            return
         from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only where the choices take this kernel
 
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()

@@ -102,3 +102,18 @@ def test_the_sampler_runs_what_its_choices_say(compiled_calls):
         tokens[choices.compile] = sampler(logits.clone(), batch).sampled_token_ids.tolist()
         assert compiled_calls == ([] if not choices.compile else ["penalise", "exponential_race"])
     assert tokens[True] == tokens[False]  # the same functions, the same draws
+
+
+def test_a_model_built_with_the_cpu_layer_ops_calls_them():
+    """What they compute: tests/layers/test_cpu_layer_ops.py; the engine's tokens against transformers' with them:
+    the CPU engine tests, which run them by default."""
+    from pagedllm.layers import cpu_layer_ops
+
+    built = model(KernelChoices(rotary="cpu", layer_ops="cpu"))
+    for module in built.modules():
+        if isinstance(module, RMSNorm):
+            assert (module.rms_norm, module.add_rms_norm) == (cpu_layer_ops.rms_norm, cpu_layer_ops.add_rms_norm)
+        elif isinstance(module, SiluAndMul):
+            assert module.silu_and_mul is cpu_layer_ops.silu_and_mul
+        elif isinstance(module, SelfAttention):
+            assert module.rotates_in_place and module.rotary_kernel == "cpu"
