@@ -29,7 +29,9 @@ SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE)
 
 def compiler_flags() -> list[str]:
     """-O3 and OpenMP (torch's threads); AVX2 + FMA where this CPU runs torch's AVX2 kernels."""
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no contraction: the code's own order of float operations
+    # no contraction: the code's own order of float operations; no trapping math: the compiler may ignore float
+    # exceptions (we never read them), so it inlines floor and selects between values, and loops of them vectorize
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
     return flags

@@ -16,9 +16,10 @@ inline float float_from_bits(uint32_t bits) {
 }
 
 // e^x for x <= 0, within ~2 ulp: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial of degree 7 in Horner form. Branch-free, so a loop of it vectorizes. Below -87 it is 0: e^-87 (~1.6e-38)
-// weighs nothing beside the row's largest probability (1), and its products with values would be subnormal, which
-// the core computes far slower.
+// polynomial of degree 7 in Horner form. Branch-free, so a loop of it vectorizes (given -fno-trapping-math, which
+// lets the compiler inline std::floor and select between values; cpu_kernels.py passes it). Below -87 it is 0:
+// e^-87 (~1.6e-38) weighs nothing beside the row's largest probability (1), and its products with values would be
+// subnormal, which the core computes far slower.
 inline float exp_nonpositive(float x) {
   constexpr float LOG2E = 1.44269504f, LN2_HIGH = 0.693359375f, LN2_LOW = -2.12194440e-4f;
   const bool negligible = x < -87.f;

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -132,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
 inline float silu(float g) {
-  const float e = exp_nonpositive(-std::fabs(g));
+  const float e = exp_nonpositive(std::min(g, -g));
   return g * ((g >= 0.f ? 1.f : e) / (1.f + e));
 }
 
@@ -148,8 +149,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     for_rows(rows, 2 * width, [&](int64_t row) {
       const T *gate = in + row * 2 * width, *up = gate + width;
       T* out_row = o + row * width;
+      thread_local std::vector<float> activated;  // the row's silu(gate), in float32: a loop of floats vectorizes
+      activated.resize(width);
+      float* a = activated.data();
+      for (int64_t i = 0; i < width; ++i) a[i] = widen(gate[i]);
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) out_row[i] = static_cast<T>(rounded<T>(silu(widen(gate[i]))) * widen(up[i]));
+      for (int64_t i = 0; i < width; ++i) a[i] = silu(a[i]);
+      for (int64_t i = 0; i < width; ++i) out_row[i] = static_cast<T>(rounded<T>(a[i]) * widen(up[i]));
     });
   });
   return out;
