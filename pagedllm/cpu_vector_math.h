@@ -1,6 +1,11 @@
-// Float arithmetic shared by the CPU path's C++ kernels (cpu_kernels.py builds them into one library): an
-// exponential that vectorizes, and eight-lane vectors summed in a fixed order.
+// What the CPU path's C++ kernels share (cpu_kernels.py builds them into one library): an exponential that
+// vectorizes, eight-lane vectors summed in a fixed order, and the dispatch on a tensor's float dtype.
 #pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,5 +54,20 @@ inline Lanes load_lanes(const float* at) {
 }
 
 inline float sum_lanes(Lanes v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Calls body(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor; other dtypes are refused, naming
+// `what`.
+template <typename Body>
+inline void with_float_type(c10::ScalarType type, const char* what, const Body& body) {
+  if (type == c10::ScalarType::Float) {
+    body(float{});
+  } else if (type == c10::ScalarType::BFloat16) {
+    body(c10::BFloat16{});
+  } else if (type == c10::ScalarType::Half) {
+    body(c10::Half{});
+  } else {
+    TORCH_CHECK(false, what, " takes float32, bfloat16 or float16 tensors, got ", type);
+  }
+}
 
 }  // namespace pagedllm_cpu

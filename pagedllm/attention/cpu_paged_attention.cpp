@@ -247,15 +247,7 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cac
       run(query_value, query_value);
     }
   };
-  if (query_type == at::kFloat) {
-    over_cache(float{});
-  } else if (query_type == at::kBFloat16) {
-    over_cache(c10::BFloat16{});
-  } else if (query_type == at::kHalf) {
-    over_cache(c10::Half{});
-  } else {
-    TORCH_CHECK(false, "paged_attention_rows takes float32, bfloat16 or float16 queries, got ", query_type);
-  }
+  with_float_type(query_type, "paged_attention_rows", over_cache);
   return out;
 }
 

@@ -82,20 +82,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* what)
               what, ": the weight is [hidden] in the input's dtype");
 }
 
-// Calls body(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor.
-template <typename Body>
-inline void with_float_type(at::ScalarType type, const char* what, const Body& body) {
-  if (type == at::kFloat) {
-    body(float{});
-  } else if (type == at::kBFloat16) {
-    body(c10::BFloat16{});
-  } else if (type == at::kHalf) {
-    body(c10::Half{});
-  } else {
-    TORCH_CHECK(false, what, " takes float32, bfloat16 or float16 tensors, got ", type);
-  }
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
   at::Tensor out = at::empty_like(x);
@@ -256,7 +242,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def(
       "rotate_qk_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int heads, int kv_heads, int head_dim, "
-      "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+      "Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> ()");
   m.def("store_kv_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -71,13 +71,9 @@ class SelfAttention(nn.Module):
 
     def rotate_in_place(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
         if self.rotary_kernel == "cpu":
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            torch.ops.pagedllm_cpu.rotate_qk_(
-                qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norms
-            )
-            return
-        from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only where the choices take this kernel
-
+            rotate_qk_ = torch.ops.pagedllm_cpu.rotate_qk_  # the same arguments as the Triton kernel's
+        else:
+            from pagedllm.kernels.rotary import rotate_qk_  # imports Triton: only where the choices take this kernel
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         rotate_qk_(qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, *norms)
 
