@@ -3,7 +3,8 @@
 - layers/quantization/cpu_grouped_gemm.cpp: the GGUF blocks' grouped-integer product;
 - attention/cpu_paged_attention.cpp: decode and verify rows attended over the paged cache in place;
 - layers/cpu_layer_ops.cpp: a layer's small operations (norms, SiLU-and-mul, rotation, KV store), one call each;
-- cpu_vector_math.h: the float arithmetic they share.
+- models/cpu_decode_stack.cpp: a decode step's decoder layers in one call, through the kernels above;
+- cpu_vector_math.h: the float arithmetic they share; cpu_kernels.h: the kernels' entry points, for C++ callers.
 
 Where no compiler works, `unavailable_reason` says why; the GGUF blocks are then dequantized and attention runs on
 the torch backend (kernel_selection decides, with one log line each).
@@ -24,7 +25,8 @@ PACKAGE = Path(__file__).parent
 GROUPED_GEMM_SOURCE = PACKAGE / "layers" / "quantization" / "cpu_grouped_gemm.cpp"
 PAGED_ATTENTION_SOURCE = PACKAGE / "attention" / "cpu_paged_attention.cpp"
 LAYER_OPS_SOURCE = PACKAGE / "layers" / "cpu_layer_ops.cpp"
-SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE)
+DECODE_STACK_SOURCE = PACKAGE / "models" / "cpu_decode_stack.cpp"
+SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODE_STACK_SOURCE)
 
 
 def compiler_flags() -> list[str]:

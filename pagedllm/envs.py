@@ -73,6 +73,11 @@ CPU_LAYER_OPS = EnvVar(
     "On CPU, a layer's norms, SiLU-and-mul, q/k rotation and KV store run as one C++ call each "
     "(layers/cpu_layer_ops.cpp) where the CPU kernels build; 0: the torch expressions (an A/B switch for benchmarks).",
 )  # fmt: skip
+CPU_DECODE_STACK = EnvVar(
+    "PAGEDLLM_CPU_DECODE_STACK", parse_bool, True,
+    "On CPU with the C++ layer ops and attention, a step whose rows all decode runs every decoder layer in one C++ "
+    "call (models/cpu_decode_stack.cpp); 0: the layers' modules one by one (an A/B switch for benchmarks).",
+)  # fmt: skip
 COMPILE = EnvVar(
     "PAGEDLLM_COMPILE", parse_bool, True,
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
@@ -113,6 +118,6 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL,
-    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, COMPILE, FP8_SCALING, CACHE_DIR,
+    API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 )  # fmt: skip

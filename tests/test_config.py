@@ -33,7 +33,8 @@ def fake_triton_installed(monkeypatch) -> None:
 
 def test_cpu_defaults():
     """On CPU: float32 whatever the checkpoint holds, the model's positions, synchronous steps, the in-place C++
-    attention (prompt chunks on SDPA's flash kernel), the layers' small ops and rotation in C++, the linear layers
+    attention (prompt chunks on SDPA's flash kernel), the layers' small ops and rotation in C++ and decode steps as
+    one C++ call, the linear layers
     through oneDNN, plain torch otherwise."""
     resolved = EngineConfig(device="cpu").resolve(tiny_spec(), torch.bfloat16)
     assert resolved.device == torch.device("cpu")
@@ -43,7 +44,13 @@ def test_cpu_defaults():
     assert (
         resolved.kernels
         == dataclasses.replace(
-            TORCH_KERNELS, attention="cpu", rotary="cpu", layer_ops="cpu", linear="onednn", torch_prompt_sdpa="flash"
+            TORCH_KERNELS,
+            attention="cpu",
+            rotary="cpu",
+            layer_ops="cpu",
+            decode_steps="cpu",
+            linear="onednn",
+            torch_prompt_sdpa="flash",
         )
         and resolved.config.attention_backend == "cpu"
     )

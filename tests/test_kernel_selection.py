@@ -18,9 +18,11 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = (
     "PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR",
-    "PAGEDLLM_CPU_LAYER_OPS",
+    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK",
 )  # fmt: skip
-CPU_KERNELS = KernelChoices(attention="cpu", rotary="cpu", layer_ops="cpu", linear="onednn", torch_prompt_sdpa="flash")
+CPU_KERNELS = KernelChoices(
+    attention="cpu", rotary="cpu", layer_ops="cpu", decode_steps="cpu", linear="onednn", torch_prompt_sdpa="flash"
+)
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
 )
@@ -38,9 +40,15 @@ def triton_and_defaults(monkeypatch):
 def test_cpu_runs_the_in_place_attention_and_onednn_linear_layers(monkeypatch):
     assert resolve_kernel_choices(None, CPU, 64) == CPU_KERNELS
     assert resolve_kernel_choices("cpu", CPU, 64, "fp8") == CPU_KERNELS
-    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == dataclasses.replace(CPU_KERNELS, attention="torch")
+    # the decode stack calls the cpu attention kernel: with the torch backend, decode steps run the modules
+    torch_attention = dataclasses.replace(CPU_KERNELS, attention="torch", decode_steps="modules")
+    assert resolve_kernel_choices("torch", CPU, 64, "fp8") == torch_attention
     monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
     assert resolve_kernel_choices(None, CPU, 64) == dataclasses.replace(CPU_KERNELS, linear="torch")
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")
+    without_stack = dataclasses.replace(CPU_KERNELS, linear="torch", decode_steps="modules")
+    assert resolve_kernel_choices(None, CPU, 64) == without_stack
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "1")
     monkeypatch.setenv("PAGEDLLM_CPU_LAYER_OPS", "0")
     assert resolve_kernel_choices(None, CPU, 64) == KernelChoices(attention="cpu", torch_prompt_sdpa="flash")
 
@@ -48,7 +56,7 @@ def test_cpu_runs_the_in_place_attention_and_onednn_linear_layers(monkeypatch):
 def test_without_the_cpu_kernels_the_layers_small_ops_stay_torch_expressions(monkeypatch):
     monkeypatch.setattr(kernel_selection.cpu_kernels, "unavailable_reason", lambda: "no compiler here")
     choices = resolve_kernel_choices(None, CPU, 64)
-    assert (choices.attention, choices.rotary, choices.layer_ops) == ("torch", "torch", "torch")
+    assert (choices.attention, choices.rotary, choices.layer_ops, choices.decode_steps) == ("torch",) * 3 + ("modules",)
 
 
 def test_cpu_prompts_take_sdpas_flash_kernel_except_with_gguf_blocks_kept():
@@ -105,12 +113,11 @@ def test_each_switch_is_read_when_resolving(monkeypatch, name, field, off):
 def test_the_start_up_line_names_every_choice():
     line = TODAYS_CUDA.describe()
     assert (
-        line
-        == "attention triton, rotary triton, layer ops torch, linear skinny_gemm, sampler triton_race, compile on, "
-        "weights unquantized"
+        line == "attention triton, rotary triton, layer ops torch, decode steps modules, linear skinny_gemm, sampler "
+        "triton_race, compile on, weights unquantized"
     )
     assert (
         TORCH_KERNELS.describe()
-        == "attention torch, rotary torch, layer ops torch, linear torch, sampler torch, compile off, "
-        "weights unquantized"
+        == "attention torch, rotary torch, layer ops torch, decode steps modules, linear torch, sampler torch, "
+        "compile off, weights unquantized"
     )

@@ -49,6 +49,16 @@ def cpu_step_layout(metadata: AttentionMetadata, block_size: int) -> CpuStepLayo
     return CpuStepLayout(split.chunks, decoding)
 
 
+def step_layout(metadata: AttentionMetadata, block_size: int) -> CpuStepLayout:
+    """The step's layout, computed by the first layer that asks (the decode stack or the first attention layer)."""
+    return metadata.once("cpu_backend.layout", lambda: cpu_step_layout(metadata, block_size))
+
+
+def block_tables(metadata: AttentionMetadata) -> torch.Tensor:
+    """The step's block tables as the kernel reads them (int32, contiguous), converted once for every layer."""
+    return metadata.once("cpu_backend.tables", lambda: metadata.block_tables.int().contiguous())
+
+
 def attend_in_place(query, rows: DecodingRows, kv, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     k_cache, v_cache, k_scale, v_scale = kv
     return torch.ops.pagedllm_cpu.paged_attention_rows(
@@ -68,8 +78,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed queries over each sequence's cached context (new tokens already stored), as
     torch_backend.paged_attention computes it."""
-    layout = metadata.once("cpu_backend.layout", lambda: cpu_step_layout(metadata, k_cache.shape[1]))
-    tables = metadata.once("cpu_backend.tables", lambda: metadata.block_tables.int().contiguous())
+    layout, tables = step_layout(metadata, k_cache.shape[1]), block_tables(metadata)
     kv, decoding = (k_cache, v_cache, k_scale, v_scale), layout.decoding
     if decoding is not None and decoding.rows is None:
         return attend_in_place(query, decoding, kv, tables, scale)

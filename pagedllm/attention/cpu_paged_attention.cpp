@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vector_math.h"
 
 #include <algorithm>
@@ -197,6 +198,10 @@ void attend_rows(const at::Tensor& query, const at::Tensor& k_cache, const at::T
   });
 }
 
+}  // namespace
+
+namespace pagedllm_cpu {
+
 at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const std::optional<at::Tensor>& row_seqs,
                                 const at::Tensor& visible, double scale, const std::optional<at::Tensor>& k_scale,
@@ -251,7 +256,7 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cac
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
@@ -259,4 +264,4 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "Tensor visible, float scale, Tensor? k_scale, Tensor? v_scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention_rows", &paged_attention_rows); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention_rows", &pagedllm_cpu::paged_attention_rows); }

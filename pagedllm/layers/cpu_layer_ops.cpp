@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vector_math.h"
 
 #include <cstring>
@@ -82,6 +83,16 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* what)
               what, ": the weight is [hidden] in the input's dtype");
 }
 
+// silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline float silu(float g) {
+  const float e = exp_nonpositive(std::min(g, -g));
+  return g * ((g >= 0.f ? 1.f : e) / (1.f + e));
+}
+
+}  // namespace
+
+namespace pagedllm_cpu {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
   at::Tensor out = at::empty_like(x);
@@ -115,12 +126,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     });
   });
   return {out, summed};
-}
-
-// silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
-inline float silu(float g) {
-  const float e = exp_nonpositive(std::min(g, -g));
-  return g * ((g >= 0.f ? 1.f : e) / (1.f + e));
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
@@ -234,7 +239,7 @@ void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cac
   copy_rows(value, v_cache);
 }
 
-}  // namespace
+}  // namespace pagedllm_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -247,9 +252,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotate_qk_", &rotate_qk_);
-  m.impl("store_kv_", &store_kv_);
+  m.impl("rms_norm", &pagedllm_cpu::rms_norm);
+  m.impl("add_rms_norm", &pagedllm_cpu::add_rms_norm);
+  m.impl("silu_and_mul", &pagedllm_cpu::silu_and_mul);
+  m.impl("rotate_qk_", &pagedllm_cpu::rotate_qk_);
+  m.impl("store_kv_", &pagedllm_cpu::store_kv_);
 }

@@ -24,6 +24,9 @@ class KernelChoices:
     # The norms (with their residual add) and SiLU-and-mul: torch expressions (compiled where `compile`), or cpu:
     # one C++ call each (layers/cpu_layer_ops.cpp)
     layer_ops: Literal["torch", "cpu"] = "torch"
+    # cpu: a step whose rows all decode (decode, verify) runs the decoder layers as one C++ call that calls the same
+    # kernels (models/cpu_decode_stack.py); modules: each layer's modules from Python, every step
+    decode_steps: Literal["modules", "cpu"] = "modules"
     # skinny_gemm: small products may take kernels/skinny_gemm (the GEMV, the skinny GEMM); onednn: weights
     # reordered once for oneDNN (CPU)
     linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
@@ -40,6 +43,7 @@ class KernelChoices:
         prompts = " (flash prompts)" if self.torch_prompt_sdpa == "flash" else ""
         return (
             f"attention {self.attention}{prompts}, rotary {self.rotary}, layer ops {self.layer_ops}, "
+            f"decode steps {self.decode_steps}, "
             f"linear {self.linear}, sampler {self.sampler}, "
             f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
         )

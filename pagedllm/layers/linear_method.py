@@ -14,6 +14,10 @@ from torch import nn
 
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
+# How the CPU decode stack (models/cpu_decode_stack.cpp) multiplies as a method does: at::linear, oneDNN on a
+# reordered weight, or (4, 8) the grouped-integer kernel on values of that many bits.
+CPU_LINEAR, CPU_ONEDNN = 0, 1
+
 
 class LinearMethod:
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
@@ -30,6 +34,11 @@ class LinearMethod:
 
     def finish_loading(self, layer: nn.Module) -> None:
         """Called once every tensor of the layer is loaded (a quantized method converts the weight here)."""
+
+    def cpu_product(self, layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+        """(kind, weight, scales): what the CPU decode stack calls to compute `apply` (kinds above), or None where
+        it has no such call."""
+        return None
 
 
 def onednn_dtypes() -> tuple[torch.dtype, ...]:
@@ -70,6 +79,11 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.weight.dtype in self.onednn_dtypes:
             reordered = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data)
             layer.weight = nn.Parameter(reordered, requires_grad=False)
+
+    def cpu_product(self, layer: nn.Module) -> tuple[int, torch.Tensor, None] | None:
+        if self.skinny_gemm is not None:
+            return None
+        return (CPU_ONEDNN if layer.weight.dtype in self.onednn_dtypes else CPU_LINEAR), layer.weight, None
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.skinny_gemm is not None and self.skinny_gemm.takes(x, weight):

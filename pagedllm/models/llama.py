@@ -17,6 +17,7 @@ from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.cpu_decode_stack import CpuDecodeStack
 from pagedllm.models.spec import DecoderSpec
 
 # checkpoint module name -> (packed module name, shard id)
@@ -122,11 +123,19 @@ class DecoderModel(nn.Module):
         rotary_emb = RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary_emb) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # The layers of a step whose rows all decode in one C++ call (the same kernels): a plain attribute, not a
+        # module (it holds the layers' tensors, not parameters of its own)
+        self.decode_stack = CpuDecodeStack(self.layers) if kernel_choices().decode_steps == "cpu" else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden = self.embed_tokens(input_ids)
+        stacked = None if self.decode_stack is None else self.decode_stack(hidden, positions, metadata)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -49,7 +49,8 @@ import sys, torch
 from torch.utils import cpp_extension
 from pagedllm import cpu_kernels
 cpp_extension.load(name="pagedllm_cpu_grouped_gemm_plain_test", sources=[str(cpu_kernels.GROUPED_GEMM_SOURCE)],
-                   extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+                   extra_cflags=["-O3", "-fopenmp"], extra_include_paths=[str(cpu_kernels.PACKAGE)],
+                   extra_ldflags=["-fopenmp"], is_python_module=False)
 x, values, scales, out = sys.argv[1:]
 torch.save(torch.ops.pagedllm_cpu.grouped_int4_mm(torch.load(x), torch.load(values), torch.load(scales)), out)
 """

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+
+#include "cpu_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GROUPED_GEMM_AVX2 1
@@ -194,12 +196,24 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& values, const at::T
 
 }  // namespace
 
+namespace pagedllm_cpu {
+
+at::Tensor grouped_int4_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  return grouped_mm<4>(x, values, scales);
+}
+
+at::Tensor grouped_int8_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  return grouped_mm<8>(x, values, scales);
+}
+
+}  // namespace pagedllm_cpu
+
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("grouped_int4_mm(Tensor x, Tensor values, Tensor scales) -> Tensor");
   m.def("grouped_int8_mm(Tensor x, Tensor values, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("grouped_int4_mm", &grouped_mm<4>);
-  m.impl("grouped_int8_mm", &grouped_mm<8>);
+  m.impl("grouped_int4_mm", &pagedllm_cpu::grouped_int4_mm);
+  m.impl("grouped_int8_mm", &pagedllm_cpu::grouped_int8_mm);
 }

@@ -243,6 +243,11 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         out = cast(self.packed.multiply(x), x.dtype)
         return out if bias is None else out + bias
 
+    def cpu_product(self, layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+        if self.packed is None:
+            return super().cpu_product(layer)
+        return self.packed.bits, self.packed.values, self.packed.scales
+
     def describe(self) -> str:
         """'Q4_1' (kept quantized) or 'Q6_K dequantized' (kept in float), for the start-up log."""
         formats = "+".join(sorted(self.formats))
