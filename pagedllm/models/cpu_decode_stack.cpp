@@ -1,8 +1,8 @@
 // The decoder layers of a Llama-family model (models/llama.py) for a CPU step whose rows all decode (decode and
 // verify steps), in one C++ call: the same kernels, in the same order, on the same arguments as the layers' modules
 // call them one by one from Python, so the result is theirs to the bit (tests/models/test_cpu_decode_stack.py).
-// What it saves is Python: ~100 us of module calls, views and op dispatch per layer, which for one sequence of the
-// default model was a third of the step (benchmarks/NOTES.md, session 28).
+// What it saves is the time between the kernels: ~200 us a layer of module calls, views and op dispatch from Python,
+// 30-43% of a one-sequence step of the default model (benchmarks/NOTES.md, session 28).
 //
 // One layer, as DecoderLayer.forward runs it with the cpu kernel choices (layer ops, rotary and attention in C++):
 //   hidden, residual = add_rms_norm(hidden, residual)        (the first layer: rms_norm, residual = hidden)

@@ -1,7 +1,7 @@
 """The decode stack: on CPU, a step whose rows all decode (decode and verify steps) runs every decoder layer in one
 C++ call (cpu_decode_stack.cpp) instead of each layer's modules from Python. It calls the kernels the modules call,
 in their order, so its hidden states are the modules' to the bit; what it saves is the Python between the kernels
-(~100 us a layer: a third of a one-sequence step of the default model, benchmarks/NOTES.md, session 28).
+(~200 us a layer: 30-43% of a one-sequence step of the default model, benchmarks/NOTES.md, session 28).
 
 The model keeps its modules: prompt steps run through them, and so does every step where the stack cannot compute
 what they compute (the reason is logged once): several tensor-parallel ranks (the all-reduce), an fp8 cache or one
