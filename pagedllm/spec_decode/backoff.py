@@ -4,9 +4,9 @@ A verify step of 1 + m tokens costs more than a decode step of one; it pays when
 cost is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM
 head run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
 benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md), float weights cost 0.55 for the first extra row and
-0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.35 a draft from
-the first (0.32-0.39 at m = 1..5 after session 25 halved a step's torch calls: the grouped-integer kernel's work
-grows with its rows, while a step of one row reads the weights at near the memory's rate). Accepting a of m drafts
+0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.5 a draft from
+the first (0.44-0.55 at m = 1..8, two runs, since session 28's decode stack took a third off a one-row step and
+nothing off a draft: the grouped-integer kernel's work grows with its rows). Accepting a of m drafts
 saves a decode steps, so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW
 verify steps, fewer accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row
 that proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
@@ -41,7 +41,7 @@ class VerifyCost:
 
 
 FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
-INT4_BLOCKS = VerifyCost(0.0, 0.35)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
+INT4_BLOCKS = VerifyCost(0.0, 0.5)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
 
 
 def verify_cost(quantization: str | None) -> VerifyCost:
