@@ -210,7 +210,7 @@ def main() -> None:
                         "verify rows go through another kernel than decode rows, and near ties can flip")  # fmt: skip
     parser.add_argument("--kv-cache-gib", type=float, help="each engine's cache (two engines share one GPU)")
     parser.add_argument("--weights", choices=["gguf", "float"], default="gguf",
-                        help="the GGUF blocks kept (the default on CPU) or dequantized to the model's dtype")  # fmt: skip
+                        help="the GGUF blocks kept (the CPU default) or dequantized to the model's dtype")  # fmt: skip
     args = parser.parse_args()
     quantization = "auto" if args.weights == "gguf" else None
     if args.cost:

@@ -89,6 +89,12 @@ def paged_attention(
     return out
 
 
+def stores_in_cpp(key_dtype: torch.dtype, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether new K/V rows are copied into the cache by store_kv_ (a cache of the model's dtype, no fp8 scales);
+    else the torch backend's store converts them."""
+    return k_scale is None and k_cache.dtype == key_dtype
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     """The new K/V stored in C++ (the torch backend's store for an fp8 cache, or a cache of another dtype than the
     model's), then paged_attention above."""
@@ -103,7 +109,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(
         self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale=None, v_scale=None
     ):
-        if k_scale is not None or key.dtype != k_cache.dtype:
+        if not stores_in_cpp(key.dtype, k_cache, k_scale):
             return super().forward(query, key, value, k_cache, v_cache, metadata, scale, k_scale, v_scale)
         torch.ops.pagedllm_cpu.store_kv_(key, value, k_cache, v_cache, metadata.slot_mapping)
         return self.attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, self.flash_prompts)

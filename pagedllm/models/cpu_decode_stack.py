@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu_backend import block_tables, step_layout
+from pagedllm.attention.cpu_backend import block_tables, step_layout, stores_in_cpp
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu_kernels import require
 from pagedllm.logger import logger
@@ -39,8 +39,9 @@ def unsupported_reason(layers: list[nn.Module]) -> str | None:
         attention = layer.self_attn.attn
         if attention.backend is None or attention.backend.name != "cpu":
             return "the attention backend is not the cpu one"
-        if attention.k_scale is not None or attention.k_cache.dtype != layer.input_layernorm.weight.dtype:
-            return f"the KV cache holds {attention.k_cache.dtype}, the model {layer.input_layernorm.weight.dtype}"
+        model_dtype = layer.input_layernorm.weight.dtype
+        if not stores_in_cpp(model_dtype, attention.k_cache, attention.k_scale):
+            return f"the KV cache holds {attention.k_cache.dtype}, the model {model_dtype}"
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for linear in linears:
             if linear.method.cpu_product(linear) is None:
@@ -55,7 +56,7 @@ def build(layers: list[nn.Module]) -> torch.ScriptObject:
         first.num_kv_heads,
         first.head_dim,
         first.attn.scale,
-        layers[0].input_layernorm.eps,
+        layers[0].input_layernorm.eps,  # every RMSNorm of the model (q/k norms too) takes spec.rms_norm_eps
         first.rotary_emb.cos_sin,
     )
     for layer in layers:
