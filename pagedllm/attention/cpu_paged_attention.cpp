@@ -93,6 +93,9 @@ struct Shape {
 // hardware prefetchers do not follow.
 constexpr int64_t PREFETCH_AHEAD = 2;
 
+// What a task costs beside its keys (its buffers, queries and outputs), counted as keys when tasks are dealt out.
+constexpr int64_t TASK_SETUP_KEYS = 16;
+
 template <typename Cache, typename Visit>
 inline void for_each_row(const Cache* cache, const float* scales, const int32_t* table, int64_t visible,
                          int64_t first_head, int64_t last_head, const Shape& shape, float* scratch, Visit&& visit) {
@@ -169,7 +172,9 @@ void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache
   }
 }
 
-// A task is a row's KV heads, all of them where rows alone keep the threads busy, else one.
+// A task is a row's KV heads, all of them where rows alone keep the threads busy, else one. Each thread takes one
+// run of consecutive tasks of about equal cost (the keys they read): rows' lengths vary (a step's contexts run from
+// tens to thousands of keys), and equal counts of tasks left one thread with most of the keys.
 template <typename Query, typename Cache>
 void attend_rows(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const int32_t* row_seqs, const at::Tensor& visible, double scale,
@@ -181,10 +186,21 @@ void attend_rows(const at::Tensor& query, const at::Tensor& k_cache, const at::T
   const int32_t* lengths = visible.data_ptr<int32_t>();
   Query* o = out.data_ptr<Query>();
   const int64_t rows = query.size(0), row_stride = shape.heads * shape.dim;
-  const int64_t heads_per_task = rows >= at::get_num_threads() ? shape.kv_heads : 1;
-  const int64_t tasks_per_row = shape.kv_heads / heads_per_task;
-  at::parallel_for(0, rows * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_task = rows >= threads ? shape.kv_heads : 1;
+  const int64_t tasks_per_row = shape.kv_heads / heads_per_task, tasks = rows * tasks_per_row;
+  // cost_before[t]: the cost of tasks 0 .. t - 1, a task's cost its row's keys plus a fixed part for its set-up
+  std::vector<int64_t> cost_before(tasks + 1, 0);
+  for (int64_t task = 0; task < tasks; ++task) {
+    cost_before[task + 1] = cost_before[task] + lengths[task / tasks_per_row] + TASK_SETUP_KEYS;
+  }
+  const int64_t parts = std::min(tasks, threads);
+  auto first_task_of = [&](int64_t part) {  // the first task whose cost starts at or past the part's share
+    return std::lower_bound(cost_before.begin(), cost_before.end() - 1, cost_before[tasks] * part / parts) -
+           cost_before.begin();
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t end_part) {
+    for (int64_t task = first_task_of(first_part); task < first_task_of(end_part); ++task) {
       const int64_t r = task / tasks_per_row, first_head = task % tasks_per_row * heads_per_task;
       const int64_t last_head = first_head + heads_per_task, seq = row_seqs ? row_seqs[r] : r;
       if (lengths[r] == 0) {  // nothing visible: a zero output
