@@ -78,6 +78,11 @@ CPU_DECODE_STACK = EnvVar(
     "On CPU with the C++ layer ops and attention, a step whose rows all decode runs every decoder layer in one C++ "
     "call (models/cpu_decode_stack.cpp); 0: the layers' modules one by one (an A/B switch for benchmarks).",
 )  # fmt: skip
+GGUF_FLOAT_PROMPTS = EnvVar(
+    "PAGEDLLM_GGUF_FLOAT_PROMPTS", parse_bool, True,
+    "On CPU with GGUF blocks kept, a step's prompt-chunk rows multiply each weight dequantized to float32 (and take "
+    "SDPA's flash kernel); 0: the grouped-integer kernel and SDPA's math path, as the rows that decode.",
+)  # fmt: skip
 COMPILE = EnvVar(
     "PAGEDLLM_COMPILE", parse_bool, True,
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
@@ -118,6 +123,7 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, COMPILE, FP8_SCALING, CACHE_DIR,
-    API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, GGUF_FLOAT_PROMPTS, COMPILE,
+    FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT,
 )  # fmt: skip

@@ -63,12 +63,18 @@ def gguf_weights_unsupported_reason(device: torch.device, checkpoint_format: str
     return cpu_kernels.unavailable_reason()  # built on the first call
 
 
+def cpu_gguf_prompt_rows(quantization: str | None) -> str:
+    """With GGUF blocks kept, a prompt's rows multiply the weights dequantized to float (a GEMM: 32 chats 1.26x and
+    nano-vllm's 64 sequences 1.33x faster end to end, benchmarks/NOTES.md session 29) unless
+    PAGEDLLM_GGUF_FLOAT_PROMPTS=0; decoding rows keep the grouped kernel either way."""
+    return "float" if quantization == "gguf" and envs.GGUF_FLOAT_PROMPTS.get() else "integer"
+
+
 def cpu_prompt_sdpa(quantization: str | None) -> str:
-    """SDPA's flash kernel for prompt chunks with float weights (prefill of 32 chats 1.24x faster in float32, 1.9x in
-    bfloat16, benchmarks/NOTES.md). With GGUF blocks kept the linear layers set a prompt's pace (1.01x measured in
-    session 22): there the math path stays, so a prompt row's bits stay those the default model's answers were
-    checked with, for no speed lost."""
-    return "math" if quantization == "gguf" else "flash"
+    """SDPA's flash kernel for prompt chunks with float products (prefill of 32 chats 1.24x faster in float32, 1.9x
+    in bfloat16, benchmarks/NOTES.md). Where a GGUF model's prompt rows take the grouped kernel, the linear layers
+    set a prompt's pace (1.01x measured in session 22): there the math path stays."""
+    return "math" if quantization == "gguf" and cpu_gguf_prompt_rows(quantization) == "integer" else "flash"
 
 
 def asked_attention_backend(name: str | None, device: torch.device) -> str:
@@ -106,6 +112,7 @@ def resolve_kernel_choices(
             torch_prompt_sdpa=cpu_prompt_sdpa(quantization),
             linear="onednn" if onednn else "torch",
             quantization=quantization,
+            gguf_prompt_rows=cpu_gguf_prompt_rows(quantization),
         )
     if not on_cuda or attention_backend == "torch" or not triton_installed():
         return KernelChoices(attention=attention, pin_memory=on_cuda, quantization=quantization)

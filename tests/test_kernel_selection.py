@@ -18,7 +18,7 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = (
     "PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR",
-    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK",
+    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK", "PAGEDLLM_GGUF_FLOAT_PROMPTS",
 )  # fmt: skip
 CPU_KERNELS = KernelChoices(
     attention="cpu", rotary="cpu", layer_ops="cpu", decode_steps="cpu", linear="onednn", torch_prompt_sdpa="flash"
@@ -59,10 +59,17 @@ def test_without_the_cpu_kernels_the_layers_small_ops_stay_torch_expressions(mon
     assert (choices.attention, choices.rotary, choices.layer_ops, choices.decode_steps) == ("torch",) * 3 + ("modules",)
 
 
-def test_cpu_prompts_take_sdpas_flash_kernel_except_with_gguf_blocks_kept():
-    """Float weights: the flash kernel (faster); GGUF blocks kept: the math path their pinned answers came from."""
-    assert resolve_kernel_choices(None, CPU, 64, quantization=None).torch_prompt_sdpa == "flash"
-    assert resolve_kernel_choices(None, CPU, 64, quantization="gguf").torch_prompt_sdpa == "math"
+def test_cpu_prompt_rows_take_float_products_and_sdpas_flash_kernel(monkeypatch):
+    """Float weights, and GGUF blocks kept with their prompt rows multiplied in float: the flash kernel; GGUF prompt
+    rows through the grouped kernel (PAGEDLLM_GGUF_FLOAT_PROMPTS=0): SDPA's math path, as before session 29."""
+    float_weights = resolve_kernel_choices(None, CPU, 64, quantization=None)
+    assert (float_weights.torch_prompt_sdpa, float_weights.gguf_prompt_rows) == ("flash", "integer")
+    gguf = resolve_kernel_choices(None, CPU, 64, quantization="gguf")
+    assert (gguf.torch_prompt_sdpa, gguf.gguf_prompt_rows) == ("flash", "float")
+    assert "weights gguf (prompt rows in float)" in gguf.describe()
+    monkeypatch.setenv("PAGEDLLM_GGUF_FLOAT_PROMPTS", "0")
+    gguf = resolve_kernel_choices(None, CPU, 64, quantization="gguf")
+    assert (gguf.torch_prompt_sdpa, gguf.gguf_prompt_rows) == ("math", "integer")
     assert TORCH_KERNELS.torch_prompt_sdpa == "math"  # the torch backend on a GPU: as before
 
 

@@ -35,6 +35,9 @@ class KernelChoices:
     # The linear layers' weights (layers/linear_method.py): None the model's dtype; fp8 with scales per row or 128 x 128
     # block; gguf: a GGUF file's blocks kept quantized (layers/quantization/gguf.py)
     quantization: Literal[None, "fp8_rows", "fp8_blocks", "gguf"] = None
+    # gguf: a step's prompt-chunk rows multiply the weight dequantized to float (a GEMM), or the grouped-integer
+    # kernel as the rows that decode do (layers/quantization/gguf.py)
+    gguf_prompt_rows: Literal["integer", "float"] = "integer"
     # Not a kernel: host <-> device copies stage through pinned memory, asynchronously (a CUDA device).
     pin_memory: bool = False
 
@@ -46,6 +49,7 @@ class KernelChoices:
             f"decode steps {self.decode_steps}, "
             f"linear {self.linear}, sampler {self.sampler}, "
             f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
+            + (" (prompt rows in float)" if self.gguf_prompt_rows == "float" else "")
         )
 
 

@@ -17,6 +17,7 @@ from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.step_rows import computing
 from pagedllm.models.cpu_decode_stack import CpuDecodeStack
 from pagedllm.models.spec import DecoderSpec
 
@@ -134,8 +135,9 @@ class DecoderModel(nn.Module):
             hidden, residual = stacked
         else:
             residual = None
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, metadata)
+            with computing(metadata):  # the linear methods that multiply prompt rows apart see the step's rows
+                for layer in self.layers:
+                    hidden, residual = layer(positions, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernel_selection import resolve_quantization
 from pagedllm.layers.embedding import ParallelLMHead
 from pagedllm.layers.kernel_choices import KernelChoices, building_with_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from pagedllm.layers.quantization.cpu_grouped_gemm import dequantize
 from pagedllm.layers.quantization.gguf import (
     DECODERS,
     GGUFLinearMethod,
@@ -23,6 +25,7 @@ from pagedllm.layers.quantization.gguf import (
     describe_formats,
     pack,
 )
+from pagedllm.layers.step_rows import computing
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, QuantizedBlocks
 
 K = 512  # two K-quant super-blocks per row
@@ -54,11 +57,13 @@ def blocks_tensor(format: str, raw: np.ndarray) -> tuple[CheckpointTensor, torch
     return CheckpointTensor.lazy("w", (raw.shape[0], K), dense.__getitem__, torch.float32, blocks), dense
 
 
-def loaded_layer(parts: list[str], sizes: list[int], dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+def loaded_layer(
+    parts: list[str], sizes: list[int], dtype: torch.dtype, prompt_rows: str = "integer"
+) -> tuple[torch.nn.Module, torch.Tensor]:
     """A q/k/v layer (three parts) or a one-part layer loaded from blocks of the given formats; its dense weight."""
     torch.set_default_dtype(dtype)
     try:
-        with building_with_kernels(KernelChoices(quantization="gguf", linear="onednn")):
+        with building_with_kernels(KernelChoices(quantization="gguf", linear="onednn", gguf_prompt_rows=prompt_rows)):
             if len(parts) == 3:
                 layer = QKVParallelLinear(K, 32, sizes[0] // 32, sizes[1] // 32)
             else:
@@ -188,3 +193,46 @@ def test_a_kept_vocabulary_embeds_and_multiplies_as_its_dequantization(format):
     assert ((head(ids) - dense[ids]).abs().max() / scale) < 1e-6  # float32 scales
     hidden = torch.randn(3, K)
     assert relative_error(head.compute_logits(hidden), hidden.double() @ dense.double().t()) < TOLERANCE[torch.float32]
+
+
+def step(query_lens: list[int], decoding: list[int] | None, decode_only: bool = False) -> AttentionMetadata:
+    """A step's metadata as far as step_rows reads it: each sequence's new rows and whether it is past its prompt."""
+    starts = torch.tensor([0, *np.cumsum(query_lens).tolist()], dtype=torch.int32)
+    none = torch.zeros(len(query_lens), dtype=torch.int32)
+    return AttentionMetadata(
+        torch.zeros(0), starts, none, none[:, None], max(query_lens), 0, decode_only,
+        None if decoding is None else np.array(decoding, np.int32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_dequantized_groups_are_the_groups_dequantization_bit_for_bit(format):
+    loaded, _ = blocks_tensor(format, random_blocks(format, 48))
+    groups = decode(loaded)
+    packed = pack(groups)
+    assert torch.equal(dequantize(packed.values, packed.scales, packed.bits), groups.dequantize())
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_a_steps_prompt_rows_multiply_the_weight_in_float_and_its_decoding_rows_take_the_kernel(format):
+    layer, dense = loaded_layer([format], [64], torch.float32, prompt_rows="float")
+    packed = layer.method.packed
+    weight = dequantize(packed.values, packed.scales, packed.bits)
+    # a prompt chunk of 40 rows, a decode row, a verify row of 4, the first 3 rows of a prompt, a 20-row chunk
+    query_lens, decoding = [40, 1, 4, 3, 20], [0, 1, 1, 0, 0]
+    x = torch.randn(sum(query_lens), K)
+    prompt = torch.tensor([*range(40), *range(45, 68)])
+    decoding_rows = torch.tensor(range(40, 45))
+    with computing(step(query_lens, decoding)):
+        out = layer(x)
+    assert torch.equal(out[prompt], torch.nn.functional.linear(x[prompt], weight))
+    assert torch.equal(out[decoding_rows], packed.multiply(x[decoding_rows]))
+    assert relative_error(out[prompt], x[prompt].double() @ dense.double().t()) < 1e-6  # no rounding of x
+    with computing(step(query_lens, None)):  # no sequence past its prompt: every row in float
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+    with computing(step([1] * 5, None, decode_only=True)):  # a decode step: every row on the kernel
+        assert torch.equal(layer(x[:5]), packed.multiply(x[:5]))
+    assert torch.equal(layer(x), packed.multiply(x))  # outside a step (a warm-up, a test): the kernel
+    integer_layer, _ = loaded_layer([format], [64], torch.float32)
+    with computing(step(query_lens, decoding)):  # PAGEDLLM_GGUF_FLOAT_PROMPTS=0: every row on the kernel
+        assert torch.equal(integer_layer(x), packed.multiply(x))

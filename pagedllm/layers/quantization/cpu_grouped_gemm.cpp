@@ -198,6 +198,38 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& values, const at::T
 
 namespace pagedllm_cpu {
 
+// The float32 weight [N, K] the groups stand for: value x scale + offset, rounded as IntGroups.dequantize rounds it
+// (a product, then a sum), for products that take the weight in float (a step's prompt rows, gguf.py).
+at::Tensor dequantize_groups(const at::Tensor& values, const at::Tensor& scales, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(values.is_contiguous() && values.element_size() == 1 && values.dim() == 2,
+              "values: contiguous bytes [N, K * bits / 8]");
+  const int64_t N = values.size(0), K = values.size(1) * 8 / bits, groups = K / GROUP;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == groups,
+              "scales: contiguous float32 [N, 2, K / 32] (scales, then offsets)");
+  at::Tensor weight = at::empty({N, K}, scales.options());
+  const uint8_t* vp = reinterpret_cast<const uint8_t*>(values.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* wp = weight.data_ptr<float>();
+  const int64_t row_bytes = K * bits / 8;
+  at::parallel_for(0, N, WEIGHT_ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float scale = sp[(n * 2) * groups + g], offset = sp[(n * 2 + 1) * groups + g];
+        const uint8_t* group = vp + n * row_bytes + g * GROUP * bits / 8;
+        float* out = wp + n * K + g * GROUP;
+        for (int64_t j = 0; j < GROUP; ++j) {
+          const float value = bits == 4 ? static_cast<float>(j < 16 ? (group[j] & 15) : (group[j - 16] >> 4))
+                                        : static_cast<float>(static_cast<int8_t>(group[j]));
+          out[j] = value * scale + offset;
+        }
+      }
+    }
+  });
+  return weight;
+}
+
 at::Tensor grouped_int4_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
   return grouped_mm<4>(x, values, scales);
 }
@@ -211,9 +243,11 @@ at::Tensor grouped_int8_mm(const at::Tensor& x, const at::Tensor& values, const 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("grouped_int4_mm(Tensor x, Tensor values, Tensor scales) -> Tensor");
   m.def("grouped_int8_mm(Tensor x, Tensor values, Tensor scales) -> Tensor");
+  m.def("dequantize_groups(Tensor values, Tensor scales, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("grouped_int4_mm", &pagedllm_cpu::grouped_int4_mm);
   m.impl("grouped_int8_mm", &pagedllm_cpu::grouped_int8_mm);
+  m.impl("dequantize_groups", &pagedllm_cpu::dequantize_groups);
 }

@@ -18,3 +18,8 @@ def grouped_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits
     once first."""
     kernel = torch.ops.pagedllm_cpu.grouped_int4_mm if bits == 4 else torch.ops.pagedllm_cpu.grouped_int8_mm
     return kernel(x, values, scales)
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 weight [N, K] that `values` and `scales` (as grouped_mm takes them) stand for."""
+    return torch.ops.pagedllm_cpu.dequantize_groups(values, scales, bits)
