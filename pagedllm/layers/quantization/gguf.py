@@ -7,8 +7,9 @@ scale and an offset each, weight = value x scale + offset, the form cpu_grouped_
   is every layer where the kernel cannot be built (kernel_selection decides, with one log line).
 
 The kernel rounds each row of activations to int16 per group of 32 (products within ~2e-5 of float32's) and
-computes every row the same way whatever the others (the same bits for a row whatever the step), so greedy output
-does not change with batch composition, chunking or prefix caching.
+computes every row the same way whatever the others (the same bits for a row whatever the step), so a decoding row's
+output does not change with batch composition or speculation. A step's prompt-chunk rows multiply the weight
+dequantized to float32 instead (GGUFLinearMethod), whose bits, as with float weights, follow the chunk.
 """
 
 from __future__ import annotations
