@@ -12,10 +12,12 @@ conversion, and V's through shared memory as fp8; a bf16 tile goes global -> sha
 
     python benchmarks/experiments/decode_fp8_layouts.py                       # GPU: checks and timings
     TRITON_INTERPRET=1 python benchmarks/experiments/decode_fp8_layouts.py --dry-run   # CPU: the checks
+    LAYOUT_VARIANTS=fp8_dots python benchmarks/experiments/decode_fp8_layouts.py      # session 29's fp8 x fp8 dots
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +34,7 @@ def _fp8_decode_kernel(
     scale_log2, stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_cache_block,
     stride_cache_slot, stride_block_table_seq, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALED_K: tl.constexpr, TRANSPOSED: tl.constexpr,
+    FP8_DOTS: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, KV head) over its whole context (no splits: 256 rows fill the GPU). HEAD_DIM is a
     # power of two here; the query rows are padded to ROWS >= 16 for tl.dot.
@@ -50,6 +53,10 @@ def _fp8_decode_kernel(
         q_t = tl.trans(q)
     else:
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    if FP8_DOTS:  # the query rounded to e4m3 with a scale per row (448: e4m3's largest), for fp8 x fp8 dots
+        q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+        q_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
+        q8 = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table_seq
     for tile in range(0, tl.cdiv(seq_len, BLOCK_N)):
         key_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,6 +87,18 @@ def _fp8_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 0)
             p = p * v_factor[:, None]
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16)) * v_scale_max
+        elif FP8_DOTS:  # 2: both dots on fp8 operands as stored (no widening of K or V); 1: the scores' dot
+            scores = tl.dot(q8, tl.trans(k)) * (q_scale[:, None] * key_factor[None, :])
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p * v_factor[None, :]
+            if FP8_DOTS == 2:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v) * v_scale_max
+            else:  # 1: the scores' dot alone on fp8
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_scale_max
         else:
             scores = tl.dot(q, tl.trans(k16)) * key_factor[None, :]  # [ROWS, BLOCK_N]
             scores = tl.where(key_valid[None, :], scores, float("-inf"))
@@ -101,7 +120,7 @@ def _fp8_decode_kernel(
 
 
 def fp8_decode(query, k_cache, v_cache, seq_lens, block_tables, scale, out, k_scale=None, v_scale=None,
-               block_n=128, num_warps=4, num_stages=3, scaled_k=False, transposed=False):  # fmt: skip
+               block_n=128, num_warps=4, num_stages=3, scaled_k=False, transposed=False, fp8_dots=0):  # fmt: skip
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -110,7 +129,8 @@ def fp8_decode(query, k_cache, v_cache, seq_lens, block_tables, scale, out, k_sc
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SCALED_K=scaled_k, TRANSPOSED=transposed, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, SCALED_K=scaled_k, TRANSPOSED=transposed, FP8_DOTS=fp8_dots, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -125,12 +145,22 @@ VARIANTS = [
     dict(scaled_k=True, transposed=True, block_n=64),
     dict(transposed=True, num_warps=8),
 ]
+# session 29: both dots on fp8 operands (the query rounded to e4m3), against the stand-alone kernel's f16 dots
+FP8_DOT_VARIANTS = [
+    dict(),
+    dict(fp8_dots=1),
+    dict(fp8_dots=2),
+    dict(fp8_dots=2, block_n=64),
+    dict(fp8_dots=2, num_warps=8),
+    dict(fp8_dots=1, block_n=64),
+]
 
 
 def layout_variants(cache: str, dry_run: bool) -> list:
     from pagedllm.kernels import decode_attention
 
-    extra = [("layout", fp8_decode, variant) for variant in VARIANTS] if cache == "fp8" else []
+    chosen = FP8_DOT_VARIANTS if os.environ.get("LAYOUT_VARIANTS") == "fp8_dots" else VARIANTS
+    extra = [("layout", fp8_decode, variant) for variant in chosen] if cache == "fp8" else []
     return [("production", decode_attention, {})] + extra
 
 
