@@ -13,6 +13,7 @@ conversion, and V's through shared memory as fp8; a bf16 tile goes global -> sha
     python benchmarks/experiments/decode_fp8_layouts.py                       # GPU: checks and timings
     TRITON_INTERPRET=1 python benchmarks/experiments/decode_fp8_layouts.py --dry-run   # CPU: the checks
     LAYOUT_VARIANTS=fp8_dots python benchmarks/experiments/decode_fp8_layouts.py      # session 29's fp8 x fp8 dots
+    LAYOUT_VARIANTS=in_flight python benchmarks/experiments/decode_fp8_layouts.py     # session 29's tiles and stages
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _fp8_decode_kernel(
     scale_log2, stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_cache_block,
     stride_cache_slot, stride_block_table_seq, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALED_K: tl.constexpr, TRANSPOSED: tl.constexpr,
-    FP8_DOTS: tl.constexpr,
+    FP8_DOTS: tl.constexpr, IGNORE_SCALES: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, KV head) over its whole context (no splits: 256 rows fill the GPU). HEAD_DIM is a
     # power of two here; the query rows are padded to ROWS >= 16 for tl.dot.
@@ -68,8 +69,12 @@ def _fp8_decode_kernel(
         v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
         scale_offsets = block_ids * (stride_cache_slot // HEAD_DIM * BLOCK_SIZE) + kv_head * BLOCK_SIZE
         scale_offsets += key_pos % BLOCK_SIZE
-        k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
-        v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
+        if IGNORE_SCALES:  # a timing probe only (wrong outputs): what the scales' loads cost
+            k_scale = tl.where(key_valid, 1.0, 0.0)
+            v_scale = tl.where(key_valid, 1.0, 0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
         if SCALED_K:  # the scales are powers of two and |k| <= 448: f16 holds k * scale while scale >= 2^-15
             k16 = (k.to(tl.float32) * k_scale[:, None]).to(tl.float16)
             key_factor = tl.zeros([BLOCK_N], dtype=tl.float32) + scale_log2
@@ -120,7 +125,8 @@ def _fp8_decode_kernel(
 
 
 def fp8_decode(query, k_cache, v_cache, seq_lens, block_tables, scale, out, k_scale=None, v_scale=None,
-               block_n=128, num_warps=4, num_stages=3, scaled_k=False, transposed=False, fp8_dots=0):  # fmt: skip
+               block_n=128, num_warps=4, num_stages=3, scaled_k=False, transposed=False, fp8_dots=0,
+               ignore_scales=False):  # fmt: skip
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -129,7 +135,8 @@ def fp8_decode(query, k_cache, v_cache, seq_lens, block_tables, scale, out, k_sc
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SCALED_K=scaled_k, TRANSPOSED=transposed, FP8_DOTS=fp8_dots, num_warps=num_warps,
+        BLOCK_N=block_n, SCALED_K=scaled_k, TRANSPOSED=transposed, FP8_DOTS=fp8_dots, IGNORE_SCALES=ignore_scales,
+        num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -154,12 +161,24 @@ FP8_DOT_VARIANTS = [
     dict(fp8_dots=2, num_warps=8),
     dict(fp8_dots=1, block_n=64),
 ]
+# session 29: more fp8 bytes in flight a program (a tile is half a bf16 tile's bytes): larger tiles, more stages
+IN_FLIGHT_VARIANTS = [
+    dict(),
+    dict(num_stages=4),
+    dict(num_stages=5),
+    dict(block_n=256, num_stages=2),
+    dict(block_n=256, num_stages=3),
+    dict(block_n=256, num_warps=8, num_stages=3),
+]
+# session 29: the same kernel without loading the scales (outputs wrong: a timing probe)
+PROBE_VARIANTS = [dict(), dict(ignore_scales=True), dict(ignore_scales=True, fp8_dots=2)]
 
 
 def layout_variants(cache: str, dry_run: bool) -> list:
     from pagedllm.kernels import decode_attention
 
-    chosen = FP8_DOT_VARIANTS if os.environ.get("LAYOUT_VARIANTS") == "fp8_dots" else VARIANTS
+    sets = {"fp8_dots": FP8_DOT_VARIANTS, "in_flight": IN_FLIGHT_VARIANTS, "probe": PROBE_VARIANTS}
+    chosen = sets.get(os.environ.get("LAYOUT_VARIANTS"), VARIANTS)
     extra = [("layout", fp8_decode, variant) for variant in chosen] if cache == "fp8" else []
     return [("production", decode_attention, {})] + extra
 
