@@ -92,27 +92,22 @@ def _fp8_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 0)
             p = p * v_factor[:, None]
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16)) * v_scale_max
-        elif FP8_DOTS:  # 2: both dots on fp8 operands as stored (no widening of K or V); 1: the scores' dot
-            scores = tl.dot(q8, tl.trans(k)) * (q_scale[:, None] * key_factor[None, :])
-            scores = tl.where(key_valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p = p * v_factor[None, :]
-            if FP8_DOTS == 2:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v) * v_scale_max
-            else:  # 1: the scores' dot alone on fp8
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_scale_max
         else:
-            scores = tl.dot(q, tl.trans(k16)) * key_factor[None, :]  # [ROWS, BLOCK_N]
+            if FP8_DOTS:  # 1: the scores' dot on fp8 operands as stored (no widening of K); 2: both dots
+                scores = tl.dot(q8, tl.trans(k)) * (q_scale[:, None] * key_factor[None, :])
+            else:
+                scores = tl.dot(q, tl.trans(k16)) * key_factor[None, :]  # [ROWS, BLOCK_N]
             scores = tl.where(key_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             p = p * v_factor[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_scale_max
+            if FP8_DOTS == 2:  # noqa: SIM108 (a constexpr branch)
+                values = tl.dot(p.to(tl.float8e4nv), v)
+            else:
+                values = tl.dot(p.to(tl.float16), v.to(tl.float16))
+            acc = acc * alpha[:, None] + values * v_scale_max
         m_i = m_new
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out_offsets = seq.to(tl.int64) * stride_out_token + (kv_head * GROUP + rows)[:, None] * stride_out_head
