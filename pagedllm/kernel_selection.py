@@ -64,8 +64,8 @@ def gguf_weights_unsupported_reason(device: torch.device, checkpoint_format: str
 
 
 def cpu_gguf_prompt_rows(quantization: str | None) -> str:
-    """With GGUF blocks kept, a prompt's rows multiply the weights dequantized to float (a GEMM: 32 chats 1.26x and
-    nano-vllm's 64 sequences 1.33x faster end to end, benchmarks/NOTES.md session 29) unless
+    """With GGUF blocks kept, a prompt's rows multiply the weights dequantized to float (a GEMM: 32 chats 1.13x and
+    nano-vllm's 64 sequences 1.26x faster end to end, benchmarks/NOTES.md session 29) unless
     PAGEDLLM_GGUF_FLOAT_PROMPTS=0; decoding rows keep the grouped kernel either way."""
     return "float" if quantization == "gguf" and envs.GGUF_FLOAT_PROMPTS.get() else "integer"
 
