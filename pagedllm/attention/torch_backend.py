@@ -67,6 +67,14 @@ def store_kv_cache(
 # Longest query (new tokens of one sequence in a step) that attends row by row: covers decode and verify steps
 # (num_speculative_tokens + 1); longer ones are prompt chunks.
 ROW_WISE_MAX_QUERY = 16
+
+
+def decodes(metadata: AttentionMetadata, index: int, num_new: int) -> bool:
+    """Whether sequence `index`'s num_new rows of the step are decoding rows (decode, verify: past its prompt, at
+    most ROW_WISE_MAX_QUERY), attended row by row; else they are a prompt chunk. Every backend splits a step so."""
+    return num_new <= ROW_WISE_MAX_QUERY and metadata.decoding is not None and bool(metadata.decoding[index])
+
+
 # CPU SDPA folds keys in tiles of 512 (its kv split): keys padded to whole tiles give a row the same reduction order
 # for any padding, since a fully masked tile adds exact zeros. Below one tile a row's keys are padded to the next
 # power of two (at least MIN_KEY_PAD): a short context does not pay for 512 keys, and its length still depends on
@@ -183,13 +191,12 @@ def split_rows(metadata: AttentionMetadata, block_size: int) -> StepRows:
     prompt) one at a time; every other sequence's new tokens as one prompt chunk."""
     device = metadata.block_tables.device
     query_start = metadata.query_start_loc.tolist()
-    decoding = metadata.decoding
     split = StepRows([], [], [], [])
     for index, seq_len in enumerate(metadata.seq_lens.tolist()):
         start, end = query_start[index], query_start[index + 1]
         if start == end:  # an empty padding sequence (a step padded to a graph's shapes)
             continue
-        if end - start <= ROW_WISE_MAX_QUERY and decoding is not None and decoding[index]:
+        if decodes(metadata, index, end - start):
             split.short_rows.extend(range(start, end))
             split.short_visible.extend(range(seq_len - (end - start) + 1, seq_len + 1))
             split.short_seqs.extend([index] * (end - start))

@@ -2,8 +2,8 @@
 them apart from the rows that decode (gguf.py on CPU: prompt rows through the weight in float, decoding rows through
 the grouped-integer kernel).
 
-A row decodes when its sequence is past its prompt and computes at most ROW_WISE_MAX_QUERY tokens this step (a decode
-or a verify row): the attention backends' own split (torch_backend.split_rows). The model's forward names its step
+A row decodes when its sequence is past its prompt and computes few tokens this step (a decode or a verify row): the
+attention backends' own split (torch_backend.decodes). The model's forward names its step
 (`computing`); a product outside a forward (a warm-up, a test) sees no step, and every row counts as decoding.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import ROW_WISE_MAX_QUERY
+from pagedllm.attention.torch_backend import decodes
 
 _step: ContextVar[AttentionMetadata | None] = ContextVar("pagedllm_step", default=None)
 
@@ -49,12 +49,11 @@ def prompt_rows() -> PromptRows | None:
 
 
 def split(metadata: AttentionMetadata) -> PromptRows | None:
-    starts, decoding = metadata.query_start_loc.tolist(), metadata.decoding
+    starts = metadata.query_start_loc.tolist()
     prompt, decoding_rows = [], []
     for index in range(len(starts) - 1):
         start, end = starts[index], starts[index + 1]
-        decodes = decoding is not None and decoding[index] and end - start <= ROW_WISE_MAX_QUERY
-        (decoding_rows if decodes else prompt).extend(range(start, end))
+        (decoding_rows if decodes(metadata, index, end - start) else prompt).extend(range(start, end))
     if not prompt:
         return None
     return PromptRows(torch.tensor(prompt), torch.tensor(decoding_rows) if decoding_rows else None)
