@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import check_full_shape
-from pagedllm.layers.linear_method import UnquantizedLinearMethod
+from pagedllm.layers.linear_method import UnquantizedLinearMethod, onednn_dtypes
 from pagedllm.layers.parallel_state import tp_group
 from pagedllm.layers.quantization.gguf import GGUFVocabMethod
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
@@ -60,15 +60,49 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        # Float weights through oneDNN on CPU, as the linear layers' (the default model's float32 head: 6.3 ms a row
-        # against aten::mm's 14.3); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
-        # cuBLAS's 80 alone, not yet measured in the engine). The weight stays as loaded: a tied head shares it.
-        self.product = UnquantizedLinearMethod(onednn=kernel_choices().linear == "onednn").product
+        # Float weights through oneDNN on CPU, as the linear layers' (the default model's float32 head: 5.7 ms a row
+        # against aten::mm's 8.7); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
+        # cuBLAS's 80 alone, not yet measured in the engine).
+        onednn = kernel_choices().linear == "onednn"
+        self.product = UnquantizedLinearMethod(onednn=onednn).product
+        self.tied = False
+        self.reordered_weight: torch.Tensor | None = None  # a tied float head's weight in oneDNN's layout
+        if onednn and self.method is None:
+            self.method = OneDNNHeadMethod()
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (and its method, where it has one: GGUF blocks)."""
+        self.weight, self.tied = embedding.weight, True
+        if embedding.method is not None:
+            self.method = embedding.method
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on rank 0 (padding dropped); None on the other ranks, which only send their
         shard."""
         if self.quantized:
             return self.method.logits(hidden_states)[:, : self.vocab_size]  # one rank: nothing to gather
-        logits = self.tp.gather_last_dim_to_first(self.product(hidden_states, self.weight))
+        weight = self.weight if self.reordered_weight is None else self.reordered_weight
+        logits = self.tp.gather_last_dim_to_first(self.product(hidden_states, weight))
         return None if logits is None else logits[:, : self.vocab_size]
+
+
+class OneDNNHeadMethod:
+    """A float head's weight reordered once, when loaded, into oneDNN's blocked layout, as the linear layers' are.
+    A tied head keeps the reordered copy beside the weight (the embedding reads the plain rows), so it costs the
+    vocabulary's bytes once more; without it oneDNN reordered the weight on every call: the default model's float32
+    head took 8.5 ms a step at one row and 18.7 at six (a verify step) in the engine, against 5.7 and 7.4
+    (benchmarks/NOTES.md, session 30)."""
+
+    quantized = False
+
+    def load(self, param: torch.Tensor, loaded: CheckpointTensor) -> bool:
+        return False  # the weight loads as any float weight
+
+    def finish_loading(self, head: ParallelLMHead) -> None:
+        if head.weight.dtype not in onednn_dtypes():
+            return
+        reordered = torch.ops.mkldnn._reorder_linear_weight(head.weight.data)
+        if head.tied:
+            head.reordered_weight = reordered
+        else:
+            head.weight = nn.Parameter(reordered, requires_grad=False)

@@ -153,8 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(spec, max_position)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
         if spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.method = self.model.embed_tokens.method
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
