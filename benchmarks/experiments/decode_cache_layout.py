@@ -114,7 +114,6 @@ def layout_variants(cache: str, dry_run: bool) -> list:
         ("head-major", head_major_decode, {"heads_fastest": True}),
     ]
     if not dry_run:
-        rows += [("head-major", head_major_decode, {"block_n": block_n}) for block_n in (32, 64, 128)]
         rows += [("read", read_only, {"layout": layout}) for layout in ("slot", "head")]
     return rows
 
