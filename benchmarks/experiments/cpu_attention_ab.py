@@ -35,8 +35,9 @@ def source_of(commit: str, path: str) -> str:
                           check=True).stdout  # fmt: skip
 
 
-def build(commit: str, tag: str, into: Path):
-    """The commit's kernel as library pagedllm_ab_<tag>; returns its paged_attention_rows op."""
+def build_ops(commit: str, tag: str, into: Path, sources: tuple[str, ...] = SOURCES):
+    """The commit's sources (the first compiled, the others its headers) as a library whose op namespace is
+    pagedllm_ab_<tag> instead of pagedllm_cpu, so two commits' kernels load side by side; returns that namespace."""
     from torch.utils import cpp_extension
 
     from pagedllm.cpu_kernels import compiler_flags
@@ -44,12 +45,23 @@ def build(commit: str, tag: str, into: Path):
     namespace = f"pagedllm_ab_{tag}"
     folder = into / tag
     folder.mkdir()
-    for path in SOURCES:
+    for path in sources:
         (folder / Path(path).name).write_text(re.sub(r"\bpagedllm_cpu\b", namespace, source_of(commit, path)))
-    cpp_extension.load(name=f"{namespace}_{abs(hash(commit)) % 10**8}", sources=[str(folder / Path(SOURCES[0]).name)],
-                       extra_cflags=compiler_flags(), extra_include_paths=[str(folder)], extra_ldflags=["-fopenmp"],
-                       is_python_module=False)  # fmt: skip
-    return getattr(torch.ops, namespace).paged_attention_rows.default
+    name = f"{namespace}_{abs(hash((commit, sources))) % 10**8}"
+    cpp_extension.load(
+        name=name,
+        sources=[str(folder / Path(sources[0]).name)],
+        extra_cflags=compiler_flags(),
+        extra_include_paths=[str(folder)],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    return getattr(torch.ops, namespace)
+
+
+def build(commit: str, tag: str, into: Path):
+    """The commit's attention kernel; returns its paged_attention_rows op."""
+    return build_ops(commit, tag, into).paged_attention_rows.default
 
 
 def chat32_lengths() -> list[int]:

@@ -1,5 +1,5 @@
 """The grouped-integer product (layers/quantization/cpu_grouped_gemm.cpp) of two commits in one process: each
-commit's source built as its own library (its op namespace renamed, as cpu_attention_ab.py does), then both timed
+commit's source built as its own library (cpu_attention_ab.build_ops: its op namespace renamed), then both timed
 alternately on the default model's shapes, 4-bit groups for the 30 layers' four projections (each layer's weights
 its own, so they come from memory as in an engine step) and 8-bit groups for the vocabulary head, at M rows.
     python benchmarks/experiments/cpu_grouped_gemm_ab.py --old HEAD [--new WORKTREE] [--threads 2] [--rounds 7]
@@ -10,7 +10,6 @@ relative difference between the two outputs.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_attention_ab import source_of  # noqa: E402
+from cpu_attention_ab import build_ops  # noqa: E402
 
 SOURCES = ("pagedllm/layers/quantization/cpu_grouped_gemm.cpp", "pagedllm/cpu_kernels.h")
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
@@ -29,20 +28,8 @@ LAYERS = 30
 
 
 def build(commit: str, tag: str, into: Path):
-    """The commit's kernel as library pagedllm_gg_<tag>; returns its (int4, int8) ops."""
-    from torch.utils import cpp_extension
-
-    from pagedllm.cpu_kernels import compiler_flags
-
-    namespace = f"pagedllm_gg_{tag}"
-    folder = into / tag
-    folder.mkdir()
-    for path in SOURCES:
-        (folder / Path(path).name).write_text(re.sub(r"\bpagedllm_cpu\b", namespace, source_of(commit, path)))
-    cpp_extension.load(name=f"{namespace}_{abs(hash(commit)) % 10**8}", sources=[str(folder / Path(SOURCES[0]).name)],
-                       extra_cflags=compiler_flags(), extra_include_paths=[str(folder)], extra_ldflags=["-fopenmp"],
-                       is_python_module=False)  # fmt: skip
-    ops = getattr(torch.ops, namespace)
+    """The commit's kernel; returns its (int4, int8) ops."""
+    ops = build_ops(commit, tag, into, SOURCES)
     return ops.grouped_int4_mm.default, ops.grouped_int8_mm.default
 
 
