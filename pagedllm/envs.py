@@ -83,11 +83,6 @@ GGUF_FLOAT_PROMPTS = EnvVar(
     "On CPU with GGUF blocks kept, a step's prompt-chunk rows multiply each weight dequantized to float32 (and take "
     "SDPA's flash kernel); 0: the grouped-integer kernel and SDPA's math path, as the rows that decode.",
 )  # fmt: skip
-HEAD_MAJOR_CACHE = EnvVar(
-    "PAGEDLLM_HEAD_MAJOR_CACHE", parse_bool, False,
-    "1: with the Triton attention on CUDA, the KV cache stores each KV head's slots of a block contiguously "
-    "(kernels/cache_layout.py); 0: slot-major, a slot's heads side by side, as on CPU.",
-)  # fmt: skip
 COMPILE = EnvVar(
     "PAGEDLLM_COMPILE", parse_bool, True,
     "On CUDA, the element-wise functions (norms, rotary, SiLU, the sampler's race and penalties) run through "
@@ -128,7 +123,7 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, GGUF_FLOAT_PROMPTS, HEAD_MAJOR_CACHE,
-    COMPILE,    FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, GGUF_FLOAT_PROMPTS, COMPILE,
+    FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT,
 )  # fmt: skip

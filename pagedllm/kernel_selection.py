@@ -91,13 +91,12 @@ def resolve_kernel_choices(
     quantization: str | None = None,
 ) -> KernelChoices:
     """On CUDA by default: the Triton attention (or torch, with one warning, for a model its kernels cannot take),
-    the Triton rotary kernel, and the skinny GEMM, the fused race sampler, torch.compile and a head-major KV cache
-    unless their variables turn them off. On CPU, the linear layers through oneDNN (where torch has it, unless
-    PAGEDLLM_ONEDNN_LINEAR=0), and the layers' small ops and rotation in C++ (where the CPU kernels build, unless
-    PAGEDLLM_CPU_LAYER_OPS=0), and with them and the cpu attention, decode steps as one C++ call (unless
-    PAGEDLLM_CPU_DECODE_STACK=0); plain torch elsewhere. Plain torch everywhere with attention_backend='torch' on a
-    GPU, or without Triton. `quantization`: the weight format resolve_quantization gave. Reads the environment now:
-    called once per engine,
+    the Triton rotary kernel, and the skinny GEMM, the fused race sampler and torch.compile unless their variables
+    turn them off. On CPU, the linear layers through oneDNN (where torch has it, unless PAGEDLLM_ONEDNN_LINEAR=0),
+    and the layers' small ops and rotation in C++ (where the CPU kernels build, unless PAGEDLLM_CPU_LAYER_OPS=0), and
+    with them and the cpu attention, decode steps as one C++ call (unless PAGEDLLM_CPU_DECODE_STACK=0);
+    plain torch elsewhere. Plain torch everywhere with attention_backend='torch' on a GPU, or without Triton.
+    `quantization`: the weight format resolve_quantization gave. Reads the environment now: called once per engine,
     by EngineConfig.resolve."""
     attention = choose_backend(attention_backend, device, head_dim, kv_cache_dtype)
     on_cuda = device.type == "cuda"
@@ -124,6 +123,5 @@ def resolve_kernel_choices(
         linear="skinny_gemm" if envs.SKINNY_GEMM.get() else "torch",
         sampler="triton_race" if envs.FUSED_SAMPLER.get() else "torch",
         compile=envs.COMPILE.get(),
-        kv_cache_layout="head" if attention == "triton" and envs.HEAD_MAJOR_CACHE.get() else "slot",
         pin_memory=True,
     )

@@ -18,7 +18,7 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = (
     "PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR",
-    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK", "PAGEDLLM_GGUF_FLOAT_PROMPTS", "PAGEDLLM_HEAD_MAJOR_CACHE",
+    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK", "PAGEDLLM_GGUF_FLOAT_PROMPTS",
 )  # fmt: skip
 CPU_KERNELS = KernelChoices(
     attention="cpu", rotary="cpu", layer_ops="cpu", decode_steps="cpu", linear="onednn", torch_prompt_sdpa="flash"
@@ -115,14 +115,6 @@ def test_each_switch_is_read_when_resolving(monkeypatch, name, field, off):
     monkeypatch.setenv(name, "1")
     assert resolve_kernel_choices(None, CUDA, 128) == TODAYS_CUDA
     assert resolve_kernel_choices(None, CPU, 128) == CPU_KERNELS  # the switches only turn CUDA kernels off
-
-
-def test_the_head_major_cache_is_asked_for_and_only_with_the_triton_attention(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_HEAD_MAJOR_CACHE", "1")
-    choices = resolve_kernel_choices(None, CUDA, 128)
-    assert choices.kv_cache_layout == "head" and choices.describe().endswith(", cache head-major")
-    assert resolve_kernel_choices("torch", CUDA, 128).kv_cache_layout == "slot"
-    assert resolve_kernel_choices(None, CPU, 128).kv_cache_layout == "slot"
 
 
 def test_the_start_up_line_names_every_choice():

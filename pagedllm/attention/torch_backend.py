@@ -47,23 +47,21 @@ def store_kv_cache(
     v_scale: torch.Tensor | None = None,
     kept: tuple[torch.Tensor | None, torch.Tensor] | None = None,
 ) -> None:
-    """k_cache.flatten(0, 1)[slot] = key[token] for every token whose slot is not -1, in either layout of the cache
-    (executor/kv_cache.py). With scale tensors
+    """k_cache.view(-1, H, D)[slot] = key[token] for every token whose slot is not -1. With scale tensors
     ([num_blocks, H, block_size], fp8 caches) each (token, head) row is quantized and its scale stored too.
     kept: kept_slots(slot_mapping), where the caller has it already (every layer of a step stores the same rows)."""
     rows, slots = kept if kept is not None else kept_slots(slot_mapping)
     if rows is not None:
         key, value = key[rows], value[rows]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
     for new, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         if scales is None:
-            cache[blocks, offsets] = new if new.dtype == cache.dtype else new.to(cache.dtype)
+            cache.view(-1, *cache.shape[2:])[slots] = new if new.dtype == cache.dtype else new.to(cache.dtype)
         else:
             quantized, row_scales = quantize_fp8(new)
             # Bytes through uint8 views: index_put and index_select need not support float8 on every device.
-            cache.view(torch.uint8)[blocks, offsets] = quantized.view(torch.uint8)
-            scales[blocks, :, offsets] = row_scales
+            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = quantized.view(torch.uint8)
+            block_size = cache.shape[1]
+            scales[slots // block_size, :, slots % block_size] = row_scales
 
 
 # Longest query (new tokens of one sequence in a step) that attends row by row: covers decode and verify steps

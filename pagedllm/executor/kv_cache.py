@@ -1,8 +1,5 @@
 """How many KV blocks fit, and the cache itself: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim]
 (and with kv_cache_dtype="fp8", float32 scales of [num_blocks, kv_heads, block_size] for each; attention/fp8.py).
-Slot-major (that shape contiguous) or head-major (stored [num_blocks, kv_heads, block_size, head_dim], seen through a
-transposed view of the same shape): the Triton kernels read either (kernels/cache_layout.py), the CPU's C++ kernels
-slot-major only.
 
 Size order: num_kv_blocks if given, else kv_cache_memory_bytes, else a default: on CUDA what
 gpu_memory_utilization leaves after the weights and the peak of a warm-up step; on CPU a share of free memory.
@@ -132,18 +129,13 @@ def allocate_kv_cache(
     device: torch.device,
     tp_size: int,
     kv_cache_dtype: str = "auto",
-    layout: str = "slot",
 ) -> KVCache:
     """Zeroed: the torch backend reads slots past a sequence's end (masked out, but NaN from uninitialised memory
-    would survive the mask). layout: "slot" or "head" (KernelChoices.kv_cache_layout)."""
+    would survive the mask)."""
     kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp_size)
+    shape = (spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim)
     values_dtype = cache_dtype(kv_cache_dtype, dtype)
-    if layout == "head":
-        stored = (spec.num_layers, num_blocks, kv_heads, block_size, spec.head_dim)
-        keys, values = (zeros(stored, values_dtype, device).transpose(2, 3) for _ in range(2))
-    else:
-        shape = (spec.num_layers, num_blocks, block_size, kv_heads, spec.head_dim)
-        keys, values = (zeros(shape, values_dtype, device) for _ in range(2))
+    keys, values = (zeros(shape, values_dtype, device) for _ in range(2))
     if kv_cache_dtype != "fp8":
         return KVCache(keys, values, None, None)
     scale_shape = (spec.num_layers, num_blocks, kv_heads, block_size)

@@ -206,9 +206,8 @@ def start_up_log(worker: Worker) -> Callable[..., None]:
 
 def bind_new_kv_cache(worker: Worker, num_blocks: int) -> KVCache:
     config = worker.config
-    spec, layout = worker.spec, worker.kernels.kv_cache_layout
     kv_cache = allocate_kv_cache(
-        spec, num_blocks, worker.block_size, worker.dtype, worker.device, worker.tp.size, config.kv_cache_dtype, layout
+        worker.spec, num_blocks, worker.block_size, worker.dtype, worker.device, worker.tp.size, config.kv_cache_dtype
     )
     bind_kv_cache(worker.model, kv_cache, worker.backend)
     return kv_cache

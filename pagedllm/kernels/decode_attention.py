@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.cache_layout import cache_strides
 from pagedllm.kernels.device import multiprocessor_count
 from pagedllm.kernels.prefill_attention import attend_kv_tile, dots_in_f16, padded_head_dim
 
@@ -58,8 +57,6 @@ def _decode_split_kernel(
     stride_partial_split,
     stride_cache_block,
     stride_cache_slot,
-    stride_cache_head,
-    stride_scale_block,
     stride_block_table_seq,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # max(MIN_ROWS, next power of two >= GROUP)
@@ -71,15 +68,10 @@ def _decode_split_kernel(
     STORE_LSE: tl.constexpr,  # False when NUM_SPLITS == 1: partial_out is then the final output
     FP8: tl.constexpr,
     FP8_VIA_F16: tl.constexpr,  # FP8 only: the query is rounded to float16 and both dots run in f16
-    HEADS_FASTEST: tl.constexpr,  # the grid is (num_kv_heads, num_seqs, splits) instead of (num_seqs, num_kv_heads, ..)
 ):
     # Program (seq, kv_head, split) folds the split-th contiguous run of BLOCK_N-key tiles of the context.
-    if HEADS_FASTEST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -105,8 +97,8 @@ def _decode_split_kernel(
     for tile in range(tile_begin, tile_end):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-            tile * BLOCK_N, row_pos, seq_len, scale_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
-            stride_scale_block, HEAD_DIM, DIM_PAD, BLOCK_SIZE, BLOCK_N, True, FP8, FP8_VIA_F16,
+            tile * BLOCK_N, row_pos, seq_len, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
+            BLOCK_SIZE, BLOCK_N, True, FP8, FP8_VIA_F16,
         )  # fmt: skip
 
     # An empty split (short or padding sequence) leaves l_i == 0: it writes zeros and lse -inf.
@@ -160,7 +152,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
 
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim], last dim contiguous: one new token per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], either layout of cache_layout.py
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,  # [num_seqs] int32, 0 for padding rows
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
@@ -173,7 +165,6 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
     v_scale: torch.Tensor | None = None,
     fp8_via_f16: bool | None = None,  # fp8 cache only: both dots in float16 (prefill_attention.py's docstring)
-    heads_fastest: bool = False,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its whole paged context, split along the context.
     block_n, num_stages, fp8_via_f16: None takes the default for the cache's dtype and head size."""
@@ -181,8 +172,7 @@ def decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     dim_pad = padded_head_dim(head_dim)
-    assert query.stride(2) == 1
-    strides = cache_strides(k_cache, v_cache, k_scale)
+    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     assert fp8 or not fp8_via_f16, "fp8_via_f16 needs an fp8 cache"
@@ -201,15 +191,14 @@ def decode_attention(
     else:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    grid = (num_kv_heads, num_seqs, num_splits) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, partial_out, partial_lse,
         seq_lens, block_tables, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        *strides, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, FP8=fp8,
-        FP8_VIA_F16=fp8_via_f16, HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
+        FP8_VIA_F16=fp8_via_f16, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -7,8 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.cache_layout import cache_strides
-
 FP8_MIN_AMAX = tl.constexpr(2.0**-100)  # as attention/fp8.py's MIN_AMAX: an all-zero row gets a normal scale
 
 
@@ -55,9 +53,6 @@ def _store_kv_kernel(
     k_scale_ptr,  # [num_blocks, NUM_KV_HEADS, BLOCK_SIZE] float32 (FP8 only)
     v_scale_ptr,
     slot_mapping_ptr,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
     stride_key_token,
     stride_key_head,
     stride_value_token,
@@ -69,8 +64,8 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # One program per new token: copies its [num_kv_heads, head_dim] rows of K and V into one cache slot, found
-    # through the cache's strides (cache_layout.py).
+    # One program per new token: copies its [num_kv_heads, head_dim] rows of K and V into one cache slot.
+    # The cache is [num_slots, NUM_KV_HEADS, HEAD_DIM] contiguous.
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -78,8 +73,7 @@ def _store_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims < HEAD_DIM)
-    cache_offsets = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-    cache_offsets += heads[:, None] * stride_cache_head + dims
+    cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims
     key_offsets = token.to(tl.int64) * stride_key_token + heads[:, None] * stride_key_head + dims
     value_offsets = token.to(tl.int64) * stride_value_token + heads[:, None] * stride_value_head + dims
     key = tl.load(key_ptr + key_offsets, mask=mask, other=0.0)
@@ -97,23 +91,23 @@ def _store_kv_kernel(
 def store_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], either layout of cache_layout.py
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int32 or int64; -1 = don't store
     k_scale: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size] float32: the cache is fp8
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache.flatten(0, 1)[slot] = key[token] (and likewise V) for every token whose slot is not -1."""
+    """k_cache.view(-1, H, D)[slot] = key[token] (and likewise V) for every token whose slot is not -1."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert key.stride(2) == 1 and value.stride(2) == 1, "key/value rows must be contiguous in head_dim"
-    strides = cache_strides(k_cache, v_cache)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, slot_mapping,
-        strides.block, strides.slot, strides.head, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], FP8=fp8,
     )  # fmt: skip

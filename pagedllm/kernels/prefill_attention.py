@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.cache_layout import cache_strides
-
 # Query rows of one program: BLOCK_M = tokens_per_tile * group query heads, flattened token-major:
 #   row r -> token first_token + r // GROUP, query head kv_head * GROUP + r % GROUP
 # so every query head of one KV head shares each K/V tile loaded from the cache.
@@ -50,9 +48,7 @@ def attend_kv_tile(
     kv_end,  # keys at positions >= kv_end are never loaded
     scale_log2,  # softmax scale * log2(e)
     stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_scale_block,  # FP8 only: = num_kv_heads * BLOCK_SIZE
+    stride_cache_slot,  # = num_kv_heads * HEAD_DIM
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM (at least 16, for tl.dot)
     BLOCK_SIZE: tl.constexpr,
@@ -65,7 +61,7 @@ def attend_kv_tile(
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
     # Cache element (position p, kv_head, d) lives at block_table[p // BLOCK_SIZE] * stride_cache_block
-    #   + (p % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head + d (cache_layout.py).
+    #   + (p % BLOCK_SIZE) * stride_cache_slot + kv_head * HEAD_DIM + d.
     if MASKED:
         load_mask = key_pos < kv_end
         block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=load_mask, other=0)
@@ -73,7 +69,7 @@ def attend_kv_tile(
         block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
     block_ids = block_ids.to(tl.int64)
     offsets = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-    offsets = offsets[:, None] + kv_head * stride_cache_head + dims[None, :]
+    offsets = offsets[:, None] + kv_head * HEAD_DIM + dims[None, :]
     # Masked loads read zeros: keys past kv_end, and the padded dims when HEAD_DIM is not a power of two.
     if DIM_PAD != HEAD_DIM:
         if MASKED:
@@ -93,7 +89,7 @@ def attend_kv_tile(
     if FP8:  # scores and probabilities carry the keys' and values' scales: exact, they are powers of two
         # Scale (position p, kv_head) lives at block_table[p // BLOCK_SIZE] * (num_kv_heads * BLOCK_SIZE)
         #   + kv_head * BLOCK_SIZE + p % BLOCK_SIZE: one head's scales of a block are contiguous.
-        scale_offsets = block_ids * stride_scale_block + kv_head * BLOCK_SIZE
+        scale_offsets = block_ids * (stride_cache_slot // HEAD_DIM * BLOCK_SIZE) + kv_head * BLOCK_SIZE
         scale_offsets += key_pos % BLOCK_SIZE
         if MASKED:
             k_scale = tl.load(k_scale_ptr + scale_offsets, mask=load_mask, other=0.0)
@@ -165,8 +161,6 @@ def _prefill_attention_kernel(
     stride_out_head,
     stride_cache_block,
     stride_cache_slot,
-    stride_cache_head,
-    stride_scale_block,
     stride_block_table_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -215,15 +209,13 @@ def _prefill_attention_kernel(
     for tile_start in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
-            stride_scale_block, HEAD_DIM, DIM_PAD,
+            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
             BLOCK_SIZE, BLOCK_N, False, FP8, FP8_VIA_F16,
         )  # fmt: skip
     for tile_start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, stride_cache_head,
-            stride_scale_block, HEAD_DIM, DIM_PAD,
+            tile_start, row_pos, kv_end, scale_log2, stride_cache_block, stride_cache_slot, HEAD_DIM, DIM_PAD,
             BLOCK_SIZE, BLOCK_N, True, FP8, FP8_VIA_F16,
         )  # fmt: skip
 
@@ -241,7 +233,7 @@ def dots_in_f16(fp8: bool, fp8_via_f16: bool, query_dtype: torch.dtype) -> bool:
 
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], either layout of cache_layout.py
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     v_cache: torch.Tensor,
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
@@ -261,8 +253,7 @@ def prefill_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     dim_pad = padded_head_dim(head_dim)
-    assert query.stride(2) == 1
-    strides = cache_strides(k_cache, v_cache, k_scale)
+    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_m >= group, "a tile must hold at least one token's query heads"
     fp8 = k_scale is not None
     assert not fp8 or (v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous())
@@ -278,7 +269,8 @@ def prefill_attention(
     _prefill_attention_kernel[grid](
         query, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, out, query_start_loc,
         seq_lens, block_tables, num_seqs, scale * 1.4426950408889634,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n or (DEFAULT_BLOCK_N if dim_pad <= 128 else WIDE_HEAD_BLOCK_N), TOKENS_PER_TILE=tokens_per_tile,
         FP8=fp8, FP8_VIA_F16=fp8_via_f16, num_warps=num_warps or (8 if block_m >= 128 or dim_pad > 128 else 4),

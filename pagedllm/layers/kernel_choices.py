@@ -38,9 +38,6 @@ class KernelChoices:
     # gguf: a step's prompt-chunk rows multiply the weight dequantized to float (a GEMM), or the grouped-integer
     # kernel as the rows that decode do (layers/quantization/gguf.py)
     gguf_prompt_rows: Literal["integer", "float"] = "integer"
-    # The KV cache's layout (kernels/cache_layout.py): slot-major, or head-major (each KV head's slots of a block
-    # contiguous), which only the Triton kernels read
-    kv_cache_layout: Literal["slot", "head"] = "slot"
     # Not a kernel: host <-> device copies stage through pinned memory, asynchronously (a CUDA device).
     pin_memory: bool = False
 
@@ -53,7 +50,6 @@ class KernelChoices:
             f"linear {self.linear}, sampler {self.sampler}, "
             f"compile {'on' if self.compile else 'off'}, weights {self.quantization or 'unquantized'}"
             + (" (prompt rows in float)" if self.gguf_prompt_rows == "float" else "")
-            + (", cache head-major" if self.kv_cache_layout == "head" else "")
         )
 
 

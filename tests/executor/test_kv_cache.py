@@ -31,15 +31,6 @@ def test_block_bytes_count_every_allocated_byte(kv_cache_dtype):
         assert cache.keys.dtype == torch.bfloat16 and cache.key_scales is None
 
 
-def test_a_head_major_cache_has_the_same_shape_and_each_heads_slots_contiguous():
-    cache = allocate_kv_cache(SPEC, 5, 16, torch.bfloat16, torch.device("cpu"), 1, layout="head")
-    assert cache.keys.shape == cache.values.shape == (3, 5, 16, 2, 128)
-    layer = cache.keys[1]
-    assert layer.stride() == (2 * 16 * 128, 128, 16 * 128, 1)  # block, slot, head, dim
-    block_head = layer[3, :, 1]  # one KV head's 16 slots of block 3: one run of memory
-    assert block_head.is_contiguous() and not bool(block_head.any())
-
-
 def test_fp8_holds_about_twice_the_tokens_of_bf16_in_the_same_bytes():
     config = EngineConfig(kv_cache_memory_bytes=64 << 20)
     blocks = {

@@ -31,7 +31,6 @@ class Step:
     kernel_args: dict = field(default_factory=dict)  # tile sizes / num_splits passed to the launcher
     value_scale: float = 1.0  # multiplies every value row, cached and new: tiny values test float16 underflow
     through_backend: bool = False  # call TritonAttentionBackend.forward instead of the kernels
-    head_major: bool = False  # the cache stored head-major (executor/kv_cache.py), seen as the same shape
 
     @property
     def decode_only(self) -> bool:
@@ -87,8 +86,6 @@ def make_batch(step: Step, generator: torch.Generator, device: str = "cpu", pois
     scale_shape = (num_blocks, step.num_kv_heads, block_size)
     fill = float("nan") if poison else 0.0
     k_cache, v_cache = (torch.full(shape, fill, device=device).to(FP8_DTYPE if fp8 else dtype) for _ in range(2))
-    if step.head_major:
-        k_cache, v_cache = (cache.transpose(1, 2).contiguous().transpose(1, 2) for cache in (k_cache, v_cache))
     k_scale = v_scale = None
     if fp8:
         k_scale, v_scale = (torch.full(scale_shape, fill, dtype=SCALE_DTYPE, device=device) for _ in range(2))

@@ -37,9 +37,8 @@ def combinations() -> list[tuple[int, int, int, str, str]]:
 
 
 def steps(group: int, head_dim: int, block_size: int, dtype: str, kv_cache_dtype: str) -> dict[str, Step]:
-    # odd groups: a head-major cache (the engine's on CUDA), even groups: slot-major
     shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                 kv_cache_dtype=kv_cache_dtype, head_major=group % 2 == 1)  # fmt: skip
+                 kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     generator = torch.Generator().manual_seed(group * 1000 + head_dim)
     decode_lens = torch.randint(1, 1500, (24,), generator=generator)
     decode_lens[[3, 17, 23]] = 0  # padding rows of a captured batch

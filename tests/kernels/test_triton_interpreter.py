@@ -7,7 +7,6 @@ script: it prints one JSON record of checks per step. Shapes are small: the inte
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import traceback
@@ -76,17 +75,7 @@ STEPS = {
                                               value_scale=2**-11, kernel_args={"block_n": 16}),
     "fp8_fp16_model_prefill_small_values": Step((3, 9), (20, 9), 4, 2, 64, dtype="float16", kv_cache_dtype="fp8",
                                                value_scale=2**-11, kernel_args=PREFILL_TILES),
-    # a head-major cache (each KV head's slots of a block contiguous): the kernels and the reference read its strides
-    "head_major_mixed_batch_group3": Step((1, 7, 11), (33, 7, 25), 6, 2, block_size=32, head_major=True,
-                                          kernel_args=PREFILL_TILES),
-    "head_major_decode_splits": Step((1,) * 4, (0, 70, 17, 33), 8, 2, head_major=True,
-                                     kernel_args={"num_splits": 3, "block_n": 16}),
-    "head_major_fp8_mixed_batch": Step((1, 9, 5), (40, 9, 20), kv_cache_dtype="fp8", skip_slots=(4,), head_major=True,
-                                       kernel_args=PREFILL_TILES),
-    "head_major_fp8_decode_backend_defaults": Step((1,) * 3, (129, 0, 64), 8, 4, dtype="float16",
-                                                   kv_cache_dtype="fp8", head_major=True, through_backend=True),
 }  # fmt: skip
-HEAD_MAJOR_SAME_BITS = ("fp8_mixed_batch", "decode_splits_group4", "prefill_backend_defaults")
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
 
 
@@ -124,29 +113,6 @@ def test_a_step_padded_to_a_prefill_graph_computes_the_same(results: dict) -> No
     record = results["padded_prefill"]
     assert record["traceback"] is None, record["traceback"]
     assert record["same_rows"] and record["same_cache"], record
-
-
-@pytest.mark.parametrize("name", HEAD_MAJOR_SAME_BITS)
-def test_a_head_major_cache_gives_the_same_bits(results: dict, name: str) -> None:
-    """The same step (same values, same block tables) over a slot-major and a head-major cache: the kernels do the
-    same arithmetic in the same order, so the outputs and the stored caches are equal to the bit."""
-    record = results[f"head_major_same_bits_{name}"]
-    assert record["traceback"] is None, record["traceback"]
-    assert record["same_out"] and record["same_cache"], record
-
-
-def head_major_same_bits(step: Step) -> dict:
-    outputs, caches = [], []
-    for head_major in (False, True):
-        layout_step = dataclasses.replace(step, head_major=head_major)
-        batch = make_batch(layout_step, torch.Generator().manual_seed(3))
-        outputs.append(run_kernels(batch, layout_step, step.head_dim**-0.5))
-        caches.append(batch.caches())
-    return {
-        "same_out": bitwise_equal(*outputs),
-        "same_cache": all(bitwise_equal(a, b) for a, b in zip(*caches)),
-        "traceback": None,
-    }
 
 
 def padded_prefill() -> dict:
@@ -249,11 +215,6 @@ def main() -> None:
         records["padded_prefill"] = padded_prefill()
     except Exception:
         records["padded_prefill"] = {"traceback": traceback.format_exc()}
-    for name in HEAD_MAJOR_SAME_BITS:
-        try:
-            records[f"head_major_same_bits_{name}"] = head_major_same_bits(STEPS[name])
-        except Exception:
-            records[f"head_major_same_bits_{name}"] = {"traceback": traceback.format_exc()}
     for name, case in ROTATE_CASES.items():
         try:
             records[f"rotate_{name}"] = rotate_case(*case)
