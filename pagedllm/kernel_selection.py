@@ -70,11 +70,12 @@ def cpu_gguf_prompt_rows(quantization: str | None) -> str:
     return "float" if quantization == "gguf" and envs.GGUF_FLOAT_PROMPTS.get() else "integer"
 
 
-def cpu_prompt_sdpa(quantization: str | None) -> str:
+def cpu_prompt_sdpa(quantization: str | None, gguf_prompt_rows: str) -> str:
     """SDPA's flash kernel for prompt chunks with float products (prefill of 32 chats 1.24x faster in float32, 1.9x
-    in bfloat16, benchmarks/NOTES.md). Where a GGUF model's prompt rows take the grouped kernel, the linear layers
-    set a prompt's pace (1.01x measured in session 22): there the math path stays."""
-    return "math" if quantization == "gguf" and cpu_gguf_prompt_rows(quantization) == "integer" else "flash"
+    in bfloat16, benchmarks/NOTES.md). Where a GGUF model's prompt rows take the grouped kernel (gguf_prompt_rows,
+    from cpu_gguf_prompt_rows), the linear layers set a prompt's pace (1.01x measured in session 22): there the math
+    path stays."""
+    return "math" if quantization == "gguf" and gguf_prompt_rows == "integer" else "flash"
 
 
 def asked_attention_backend(name: str | None, device: torch.device) -> str:
@@ -104,15 +105,16 @@ def resolve_kernel_choices(
         onednn = torch.backends.mkldnn.is_available() and envs.ONEDNN_LINEAR.get()
         layer_ops = "cpu" if envs.CPU_LAYER_OPS.get() and cpu_kernels.unavailable_reason() is None else "torch"
         stack = layer_ops == "cpu" and attention == "cpu" and envs.CPU_DECODE_STACK.get()
+        prompt_rows = cpu_gguf_prompt_rows(quantization)
         return KernelChoices(
             attention=attention,
             rotary=layer_ops,
             layer_ops=layer_ops,
             decode_steps="cpu" if stack else "modules",
-            torch_prompt_sdpa=cpu_prompt_sdpa(quantization),
+            torch_prompt_sdpa=cpu_prompt_sdpa(quantization, prompt_rows),
             linear="onednn" if onednn else "torch",
             quantization=quantization,
-            gguf_prompt_rows=cpu_gguf_prompt_rows(quantization),
+            gguf_prompt_rows=prompt_rows,
         )
     if not on_cuda or attention_backend == "torch" or not triton_installed():
         return KernelChoices(attention=attention, pin_memory=on_cuda, quantization=quantization)
