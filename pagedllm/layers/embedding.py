@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.layers.kernel_choices import kernel_choices
 from pagedllm.layers.linear import check_full_shape
-from pagedllm.layers.linear_method import UnquantizedLinearMethod, onednn_dtypes
+from pagedllm.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.layers.parallel_state import tp_group
 from pagedllm.layers.quantization.gguf import GGUFVocabMethod
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
@@ -64,11 +64,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         # against aten::mm's 8.7); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
         # cuBLAS's 80 alone, not yet measured in the engine).
         onednn = kernel_choices().linear == "onednn"
-        self.product = UnquantizedLinearMethod(onednn=onednn).product
+        linear = UnquantizedLinearMethod(onednn=onednn)
+        self.product = linear.product
         self.tied = False
         self.reordered_weight: torch.Tensor | None = None  # a tied float head's weight in oneDNN's layout
         if onednn and self.method is None:
-            self.method = OneDNNHeadMethod()
+            self.method = OneDNNHeadMethod(linear)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (and its method, where it has one: GGUF blocks)."""
@@ -95,14 +96,14 @@ class OneDNNHeadMethod:
 
     quantized = False
 
+    def __init__(self, linear: UnquantizedLinearMethod):
+        self.linear = linear  # the head's product (ParallelLMHead.product)
+
     def load(self, param: torch.Tensor, loaded: CheckpointTensor) -> bool:
         return False  # the weight loads as any float weight
 
     def finish_loading(self, head: ParallelLMHead) -> None:
-        if head.weight.dtype not in onednn_dtypes():
-            return
-        reordered = torch.ops.mkldnn._reorder_linear_weight(head.weight.data)
-        if head.tied:
-            head.reordered_weight = reordered
-        else:
-            head.weight = nn.Parameter(reordered, requires_grad=False)
+        if not head.tied:
+            self.linear.finish_loading(head)  # reordered in place, as a linear layer's weight
+        elif head.weight.dtype in self.linear.onednn_dtypes:
+            head.reordered_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight.data)
