@@ -14,6 +14,10 @@ namespace pagedllm_cpu {
 at::Tensor grouped_int4_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
 at::Tensor grouped_int8_mm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
 
+// layers/cpu_float_gemm.cpp: x float32 [M, K] times a float32 weight packed into panels of 16 columns.
+at::Tensor pack_float_panels(const at::Tensor& weight);
+at::Tensor float_panels_mm(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias);
+
 // layers/cpu_layer_ops.cpp: a layer's small operations.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

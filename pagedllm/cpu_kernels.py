@@ -1,6 +1,7 @@
 """The C++ kernels of the CPU path, built together into one library on first use with torch's C++ extension builder
 (into torch's extension cache: ~15 s once, the files compiled at once; then loaded in ms):
 - layers/quantization/cpu_grouped_gemm.cpp: the GGUF blocks' grouped-integer product;
+- layers/cpu_float_gemm.cpp: float32 weights' product, packed into panels once;
 - attention/cpu_paged_attention.cpp: decode and verify rows attended over the paged cache in place;
 - layers/cpu_layer_ops.cpp: a layer's small operations (norms, SiLU-and-mul, rotation, KV store), one call each;
 - models/cpu_decode_stack.cpp: a decode step's decoder layers in one call, through the kernels above;
@@ -23,10 +24,11 @@ from pagedllm.logger import logger
 
 PACKAGE = Path(__file__).parent
 GROUPED_GEMM_SOURCE = PACKAGE / "layers" / "quantization" / "cpu_grouped_gemm.cpp"
+FLOAT_GEMM_SOURCE = PACKAGE / "layers" / "cpu_float_gemm.cpp"
 PAGED_ATTENTION_SOURCE = PACKAGE / "attention" / "cpu_paged_attention.cpp"
 LAYER_OPS_SOURCE = PACKAGE / "layers" / "cpu_layer_ops.cpp"
 DECODE_STACK_SOURCE = PACKAGE / "models" / "cpu_decode_stack.cpp"
-SOURCES = (GROUPED_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODE_STACK_SOURCE)
+SOURCES = (GROUPED_GEMM_SOURCE, FLOAT_GEMM_SOURCE, PAGED_ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODE_STACK_SOURCE)
 
 
 def compiler_flags() -> list[str]:

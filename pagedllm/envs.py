@@ -68,6 +68,11 @@ ONEDNN_LINEAR = EnvVar(
     "On CPU, the linear layers' weights are reordered once for oneDNN, which runs their products (faster than "
     "aten::mm at every row count measured); 0: F.linear (an A/B switch for benchmarks).",
 )  # fmt: skip
+CPU_FLOAT_GEMM = EnvVar(
+    "PAGEDLLM_CPU_FLOAT_GEMM", parse_bool, True,
+    "On CPU, float32 weights are packed once into panels for the C++ product (layers/cpu_float_gemm.cpp: oneDNN's "
+    "results, faster at a decode step's rows) where the CPU kernels build; 0: oneDNN (an A/B switch for benchmarks).",
+)  # fmt: skip
 CPU_LAYER_OPS = EnvVar(
     "PAGEDLLM_CPU_LAYER_OPS", parse_bool, True,
     "On CPU, a layer's norms, SiLU-and-mul, q/k rotation and KV store run as one C++ call each "
@@ -123,7 +128,7 @@ MASTER_PORT = EnvVar(
 )  # fmt: skip
 
 ALL: tuple[EnvVar, ...] = (
-    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_LAYER_OPS, CPU_DECODE_STACK, GGUF_FLOAT_PROMPTS, COMPILE,
-    FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    FUSED_SAMPLER, SKINNY_GEMM, ONEDNN_LINEAR, CPU_FLOAT_GEMM, CPU_LAYER_OPS, CPU_DECODE_STACK, GGUF_FLOAT_PROMPTS,
+    COMPILE, FP8_SCALING, CACHE_DIR, API_KEY, LOG_LEVEL, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT,
 )  # fmt: skip

@@ -94,16 +94,19 @@ def resolve_kernel_choices(
     """On CUDA by default: the Triton attention (or torch, with one warning, for a model its kernels cannot take),
     the Triton rotary kernel, and the skinny GEMM, the fused race sampler and torch.compile unless their variables
     turn them off. On CPU, the linear layers through oneDNN (where torch has it, unless PAGEDLLM_ONEDNN_LINEAR=0),
-    and the layers' small ops and rotation in C++ (where the CPU kernels build, unless PAGEDLLM_CPU_LAYER_OPS=0), and
-    with them and the cpu attention, decode steps as one C++ call (unless PAGEDLLM_CPU_DECODE_STACK=0);
-    plain torch elsewhere. Plain torch everywhere with attention_backend='torch' on a GPU, or without Triton.
-    `quantization`: the weight format resolve_quantization gave. Reads the environment now: called once per engine,
-    by EngineConfig.resolve."""
+    their float32 weights through the C++ panel product instead (where the CPU kernels build, unless
+    PAGEDLLM_CPU_FLOAT_GEMM=0), and the layers' small ops and rotation in C++ (where the CPU kernels build, unless
+    PAGEDLLM_CPU_LAYER_OPS=0), and with them and the cpu attention, decode steps as one C++ call (unless
+    PAGEDLLM_CPU_DECODE_STACK=0); plain torch elsewhere. Plain torch everywhere with attention_backend='torch' on a
+    GPU, or without Triton. `quantization`: the weight format resolve_quantization gave. Reads the environment now:
+    called once per engine, by EngineConfig.resolve."""
     attention = choose_backend(attention_backend, device, head_dim, kv_cache_dtype)
     on_cuda = device.type == "cuda"
     if device.type == "cpu":
         onednn = torch.backends.mkldnn.is_available() and envs.ONEDNN_LINEAR.get()
-        layer_ops = "cpu" if envs.CPU_LAYER_OPS.get() and cpu_kernels.unavailable_reason() is None else "torch"
+        kernels = cpu_kernels.unavailable_reason() is None
+        layer_ops = "cpu" if envs.CPU_LAYER_OPS.get() and kernels else "torch"
+        panels = onednn and envs.CPU_FLOAT_GEMM.get() and kernels  # the panels leave other dtypes to oneDNN
         stack = layer_ops == "cpu" and attention == "cpu" and envs.CPU_DECODE_STACK.get()
         prompt_rows = cpu_gguf_prompt_rows(quantization)
         return KernelChoices(
@@ -112,7 +115,7 @@ def resolve_kernel_choices(
             layer_ops=layer_ops,
             decode_steps="cpu" if stack else "modules",
             torch_prompt_sdpa=cpu_prompt_sdpa(quantization, prompt_rows),
-            linear="onednn" if onednn else "torch",
+            linear="cpu" if panels else "onednn" if onednn else "torch",
             quantization=quantization,
             gguf_prompt_rows=prompt_rows,
         )

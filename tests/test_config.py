@@ -49,7 +49,7 @@ def test_cpu_defaults():
             rotary="cpu",
             layer_ops="cpu",
             decode_steps="cpu",
-            linear="onednn",
+            linear="cpu",
             torch_prompt_sdpa="flash",
         )
         and resolved.config.attention_backend == "cpu"

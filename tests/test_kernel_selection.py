@@ -18,10 +18,10 @@ from pagedllm.layers.kernel_choices import TORCH_KERNELS, KernelChoices
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SWITCHES = (
     "PAGEDLLM_SKINNY_GEMM", "PAGEDLLM_FUSED_SAMPLER", "PAGEDLLM_COMPILE", "PAGEDLLM_ONEDNN_LINEAR",
-    "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK", "PAGEDLLM_GGUF_FLOAT_PROMPTS",
+    "PAGEDLLM_CPU_FLOAT_GEMM", "PAGEDLLM_CPU_LAYER_OPS", "PAGEDLLM_CPU_DECODE_STACK", "PAGEDLLM_GGUF_FLOAT_PROMPTS",
 )  # fmt: skip
 CPU_KERNELS = KernelChoices(
-    attention="cpu", rotary="cpu", layer_ops="cpu", decode_steps="cpu", linear="onednn", torch_prompt_sdpa="flash"
+    attention="cpu", rotary="cpu", layer_ops="cpu", decode_steps="cpu", linear="cpu", torch_prompt_sdpa="flash"
 )
 TODAYS_CUDA = KernelChoices(
     attention="triton", rotary="triton", linear="skinny_gemm", sampler="triton_race", compile=True, pin_memory=True
@@ -37,12 +37,14 @@ def triton_and_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_cpu_runs_the_in_place_attention_and_onednn_linear_layers(monkeypatch):
+def test_cpu_runs_the_in_place_attention_and_the_cpu_linear_layers(monkeypatch):
     assert resolve_kernel_choices(None, CPU, 64) == CPU_KERNELS
     assert resolve_kernel_choices("cpu", CPU, 64, "fp8") == CPU_KERNELS
     # the decode stack calls the cpu attention kernel: with the torch backend, decode steps run the modules
     torch_attention = dataclasses.replace(CPU_KERNELS, attention="torch", decode_steps="modules")
     assert resolve_kernel_choices("torch", CPU, 64, "fp8") == torch_attention
+    monkeypatch.setenv("PAGEDLLM_CPU_FLOAT_GEMM", "0")  # float32 weights through oneDNN too
+    assert resolve_kernel_choices(None, CPU, 64) == dataclasses.replace(CPU_KERNELS, linear="onednn")
     monkeypatch.setenv("PAGEDLLM_ONEDNN_LINEAR", "0")
     assert resolve_kernel_choices(None, CPU, 64) == dataclasses.replace(CPU_KERNELS, linear="torch")
     monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")
@@ -57,6 +59,7 @@ def test_without_the_cpu_kernels_the_layers_small_ops_stay_torch_expressions(mon
     monkeypatch.setattr(kernel_selection.cpu_kernels, "unavailable_reason", lambda: "no compiler here")
     choices = resolve_kernel_choices(None, CPU, 64)
     assert (choices.attention, choices.rotary, choices.layer_ops, choices.decode_steps) == ("torch",) * 3 + ("modules",)
+    assert choices.linear == "onednn"  # the panels are a CPU kernel too
 
 
 def test_cpu_prompt_rows_take_float_products_and_sdpas_flash_kernel(monkeypatch):

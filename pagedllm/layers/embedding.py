@@ -60,16 +60,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        # Float weights through oneDNN on CPU, as the linear layers' (the default model's float32 head: 5.7 ms a row
-        # against aten::mm's 8.7); F.linear on CUDA (the one-row GEMV took Qwen3-0.6B's head in 73 us against
-        # cuBLAS's 80 alone, not yet measured in the engine).
-        onednn = kernel_choices().linear == "onednn"
-        linear = UnquantizedLinearMethod(onednn=onednn)
+        # Float weights on CPU as the linear layers' (float32 panels, else oneDNN: the default model's float32 head
+        # took 5.7 ms a row through oneDNN against aten::mm's 8.7); F.linear on CUDA (the one-row GEMV took
+        # Qwen3-0.6B's head in 73 us against cuBLAS's 80 alone, not yet measured in the engine).
+        choice = kernel_choices().linear
+        linear = UnquantizedLinearMethod(choice if choice in ("onednn", "cpu") else "torch")
         self.product = linear.product
         self.tied = False
-        self.reordered_weight: torch.Tensor | None = None  # a tied float head's weight in oneDNN's layout
-        if onednn and self.method is None:
-            self.method = OneDNNHeadMethod(linear)
+        self.prepared_weight: torch.Tensor | None = None  # a tied float head's weight in its product's layout
+        if choice in ("onednn", "cpu") and self.method is None:
+            self.method = PreparedHeadMethod(linear)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (and its method, where it has one: GGUF blocks)."""
@@ -82,17 +82,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         shard."""
         if self.quantized:
             return self.method.logits(hidden_states)[:, : self.vocab_size]  # one rank: nothing to gather
-        weight = self.weight if self.reordered_weight is None else self.reordered_weight
+        weight = self.weight if self.prepared_weight is None else self.prepared_weight
         logits = self.tp.gather_last_dim_to_first(self.product(hidden_states, weight))
         return None if logits is None else logits[:, : self.vocab_size]
 
 
-class OneDNNHeadMethod:
-    """A float head's weight reordered once, when loaded, into oneDNN's blocked layout, as the linear layers' are.
-    A tied head keeps the reordered copy beside the weight (the embedding reads the plain rows), so it costs the
-    vocabulary's bytes once more; without it oneDNN reordered the weight on every call: the default model's float32
-    head took 8.5 ms a step at one row and 18.7 at six (a verify step) in the engine, against 5.7 and 7.4
-    (benchmarks/NOTES.md, session 30)."""
+class PreparedHeadMethod:
+    """A float head's weight prepared once, when loaded, in the layout its product runs fastest on (float32 panels or
+    oneDNN's blocked layout), as the linear layers' are. A tied head keeps the prepared copy beside the weight (the
+    embedding reads the plain rows), so it costs the vocabulary's bytes once more; without it oneDNN reordered the
+    weight on every call: the default model's float32 head took 8.5 ms a step at one row and 18.7 at six (a verify
+    step) in the engine, against 5.7 and 7.4 (benchmarks/NOTES.md, session 30)."""
 
     quantized = False
 
@@ -104,6 +104,6 @@ class OneDNNHeadMethod:
 
     def finish_loading(self, head: ParallelLMHead) -> None:
         if not head.tied:
-            self.linear.finish_loading(head)  # reordered in place, as a linear layer's weight
-        elif head.weight.dtype in self.linear.onednn_dtypes:
-            head.reordered_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight.data)
+            self.linear.finish_loading(head)  # prepared in place, as a linear layer's weight
+        else:
+            head.prepared_weight = self.linear.prepared(head.weight.data)

@@ -28,8 +28,9 @@ class KernelChoices:
     # kernels (models/cpu_decode_stack.py); modules: each layer's modules from Python, every step
     decode_steps: Literal["modules", "cpu"] = "modules"
     # skinny_gemm: small products may take kernels/skinny_gemm (the GEMV, the skinny GEMM); onednn: weights
-    # reordered once for oneDNN (CPU)
-    linear: Literal["torch", "skinny_gemm", "onednn"] = "torch"
+    # reordered once for oneDNN (CPU); cpu: float32 weights packed once into panels for the C++ product
+    # (layers/cpu_float_gemm.cpp), other dtypes as onednn (layers/linear_method.py)
+    linear: Literal["torch", "skinny_gemm", "onednn", "cpu"] = "torch"
     sampler: Literal["torch", "triton_race"] = "torch"  # triton_race: plain races in kernels/race_sampling
     compile: bool = False  # torch.compile the element-wise functions (layers/compile.py)
     # The linear layers' weights (layers/linear_method.py): None the model's dtype; fp8 with scales per row or 128 x 128

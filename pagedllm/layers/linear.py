@@ -34,10 +34,10 @@ def check_full_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> Non
 def linear_method(choices: KernelChoices) -> LinearMethod:
     """The method a linear layer built under `choices` holds."""
     if choices.quantization == "gguf":
-        return GGUFLinearMethod(onednn=choices.linear == "onednn", float_prompts=choices.gguf_prompt_rows == "float")
+        return GGUFLinearMethod(choices.linear, float_prompts=choices.gguf_prompt_rows == "float")
     if choices.quantization is not None:
         return Fp8LinearMethod(scaling=choices.quantization.removeprefix("fp8_"))
-    return UnquantizedLinearMethod(skinny_gemm=choices.linear == "skinny_gemm", onednn=choices.linear == "onednn")
+    return UnquantizedLinearMethod(choices.linear)
 
 
 class LinearBase(nn.Module):

@@ -11,7 +11,8 @@
 //   hidden = o_proj(out) (+ its bias); hidden, residual = add_rms_norm(hidden, residual)
 //   hidden = down_proj(silu_and_mul(gate_up_proj(hidden)))
 // A linear layer multiplies as its method does (layers/linear_method.py, layers/quantization/gguf.py): GGUF groups
-// through the grouped-integer kernel in float32, float weights through oneDNN (reordered) or at::linear.
+// through the grouped-integer kernel in float32, float weights through float32 panels (layers/cpu_float_gemm.cpp),
+// oneDNN (reordered) or at::linear.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -28,7 +29,7 @@ namespace pagedllm_cpu {
 namespace {
 
 // How a linear layer's method computes x W^T + bias.
-enum ProductKind : int64_t { kLinear = 0, kOneDnn = 1, kInt4 = 4, kInt8 = 8 };
+enum ProductKind : int64_t { kLinear = 0, kOneDnn = 1, kPanels = 2, kInt4 = 4, kInt8 = 8 };
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
@@ -46,8 +47,9 @@ class Product : public torch::CustomClassHolder {
  public:
   Product(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scales, std::optional<at::Tensor> bias)
       : kind_(kind), weight_(std::move(weight)), scales_(std::move(scales)), bias_(std::move(bias)) {
-    TORCH_CHECK(kind_ == kLinear || kind_ == kOneDnn || kind_ == kInt4 || kind_ == kInt8,
-                "Product: kind is 0 (at::linear), 1 (oneDNN), 4 or 8 (grouped integers), got ", kind_);
+    TORCH_CHECK(kind_ == kLinear || kind_ == kOneDnn || kind_ == kPanels || kind_ == kInt4 || kind_ == kInt8,
+                "Product: kind is 0 (at::linear), 1 (oneDNN), 2 (float32 panels), 4 or 8 (grouped integers), got ",
+                kind_);
     TORCH_CHECK((kind_ == kInt4 || kind_ == kInt8) == scales_.has_value(), "Product: scales go with grouped kinds");
   }
 
@@ -57,6 +59,8 @@ class Product : public torch::CustomClassHolder {
         return at::linear(x, weight_, bias_);
       case kOneDnn:
         return onednn_linear(x, weight_, bias_);
+      case kPanels:
+        return float_panels_mm(x, weight_, bias_);
       default: {  // GGUFLinearMethod.apply: the kernel in float32, cast back, then the bias
         const at::Tensor x32 = x.to(at::kFloat).contiguous();
         at::Tensor out = kind_ == kInt4 ? grouped_int4_mm(x32, weight_, *scales_) : grouped_int8_mm(x32, weight_, *scales_);

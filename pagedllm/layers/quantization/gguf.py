@@ -210,8 +210,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     (decode, verify) always take the grouped kernel, so a decoding row's bits still depend on that row alone. A prompt
     row's bits depend on its chunk's row count (the GEMM's blocking), as with float weights."""
 
-    def __init__(self, onednn: bool = False, float_prompts: bool = False):
-        super().__init__(onednn=onednn)
+    def __init__(self, linear: str = "torch", float_prompts: bool = False):
+        super().__init__(linear)  # the product of a layer whose blocks are not kept (dequantized to float)
         self.float_prompts = float_prompts  # a step's prompt rows multiply the weight in float (class docstring)
         self.parts: list[tuple[torch.Tensor, IntGroups]] = []  # (the view of the weight it fills, its groups)
         self.formats: set[str] = set()  # the block formats (or dtypes) its parts were stored in
