@@ -159,13 +159,19 @@ def compare(
     return tallies
 
 
-def measure_cost(k: int, batch: int = 1, rounds: int = 8, quantization: str | None = "auto") -> None:
+def measure_cost(
+    k: int, batch: int = 1, rounds: int = 8, quantization: str | None = "auto", threads: int | None = None
+) -> None:
     """Step time of `batch` sequences of 1 + m tokens each against a plain decode step (drafts always rejected,
     back-off off): the median over 32 steps, each m once a round, interleaved; the fastest round's (the least
     disturbed)."""
     backoff.observe = lambda *args: None  # never pause: every step verifies m drafts
-    engines = [LLM(quantization=quantization)] + [
-        LLM(quantization=quantization, speculative_config={"method": "ngram", "num_speculative_tokens": m})
+    engines = [LLM(quantization=quantization, threads=threads)] + [
+        LLM(
+            quantization=quantization,
+            threads=threads,
+            speculative_config={"method": "ngram", "num_speculative_tokens": m},
+        )
         for m in range(1, k + 1)
     ]
     for llm in engines[1:]:
@@ -211,17 +217,18 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, help="each engine's cache (two engines share one GPU)")
     parser.add_argument("--weights", choices=["gguf", "float"], default="gguf",
                         help="the GGUF blocks kept (the CPU default) or dequantized to the model's dtype")  # fmt: skip
+    parser.add_argument("--threads", type=int, help="each engine's CPU threads (default: LLM's own)")
     args = parser.parse_args()
     quantization = "auto" if args.weights == "gguf" else None
     if args.cost:
-        measure_cost(args.k, args.batch, quantization=quantization)
+        measure_cost(args.k, args.batch, quantization=quantization, threads=args.threads)
         return
     started = time.perf_counter()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
             "prompt_lookup_max": args.lookup[1]}  # fmt: skip
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    engine_args = dict(dtype=args.dtype, quantization=quantization)
+    engine_args = dict(dtype=args.dtype, quantization=quantization, threads=args.threads)
     if args.kv_cache_gib:  # two engines in one process: the first must not take the GPU's whole free memory
         engine_args["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     plain, speculating = LLM(**engine_args), LLM(speculative_config=spec, **engine_args)

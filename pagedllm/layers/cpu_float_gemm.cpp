@@ -11,8 +11,9 @@
 // however the threads split the work, so a row's bits never depend on the other rows of its step.
 //
 // Why it is faster than oneDNN at the rows a decode or verify step has (1-8): a tile holds up to 12 sums in
-// registers (1 row x 4 panels, 2 x 3, 3 x 2, 6 x 1), each weight line is loaded once for all the tile's rows, and
-// the panels stream in order, so one row reads the weights at the memory's rate.
+// registers (1 row x 4 panels, 2 x 3, 3 x 2, 6 x 1), each weight line is loaded once for all the tile's rows (a
+// later tile of rows finds the same KSTEP lines in L1), and the panels stream in order, so one row reads the weights
+// at the memory's rate.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -152,8 +153,10 @@ at::Tensor float_panels_mm(const at::Tensor& x, const at::Tensor& panels, const 
   const float* xp = rows.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Few rows: several panels a tile, so that up to 12 chains are in flight; then one panel, 6 rows a tile.
-  const int64_t np = M == 1 ? 4 : M == 2 ? 3 : M == 3 ? 2 : 1;
+  // Few rows: several panels a tile, so that up to 12 chains are in flight and the weights stream as 2-4 lines
+  // at once (up to 16 rows: two panels, 3 rows a tile, 1.1x one panel of 6 rows at 8 rows; NOTES, session 31);
+  // then one panel, 6 rows a tile.
+  const int64_t np = M == 1 ? 4 : M == 2 ? 3 : M <= 16 ? 2 : 1;
   const int64_t tasks = (count + np - 1) / np;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
