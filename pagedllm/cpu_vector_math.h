@@ -55,6 +55,31 @@ inline Lanes load_lanes(const float* at) {
 
 inline float sum_lanes(Lanes v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// a * b + c, rounded once where the build has FMA instructions (the kernels build with -ffp-contract=off, so a plain
+// a * b + c stays two roundings), else twice.
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
+#if defined(__FMA__)
+  return __builtin_ia32_vfmaddps256(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline Lanes broadcast_lanes(float value) { return Lanes{value, value, value, value, value, value, value, value}; }
+
+typedef float Quad __attribute__((vector_size(16)));
+
+// Each of four vectors' lanes summed, in a fixed order (pairs, then the two halves): {sum(v0), ..., sum(v3)}.
+inline Quad sum_lanes4(Lanes v0, Lanes v1, Lanes v2, Lanes v3) {
+  const Lanes a = __builtin_shufflevector(v0, v1, 0, 2, 8, 10, 4, 6, 12, 14) +
+                  __builtin_shufflevector(v0, v1, 1, 3, 9, 11, 5, 7, 13, 15);  // v0, v1 in pairs
+  const Lanes b = __builtin_shufflevector(v2, v3, 0, 2, 8, 10, 4, 6, 12, 14) +
+                  __builtin_shufflevector(v2, v3, 1, 3, 9, 11, 5, 7, 13, 15);
+  const Lanes c = __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+                  __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);  // {v0..v3 low half, v0..v3 high half}
+  return __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+}
+
 // Calls body(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor; other dtypes are refused, naming
 // `what`.
 template <typename Body>

@@ -39,8 +39,10 @@ def main() -> None:
     require()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    plain = {name: [torch.randn(n, k, generator=generator) * 0.05 for _ in range(LAYERS)]
-             for name, (n, k) in LAYER_SHAPES.items()}
+    plain = {
+        name: [torch.randn(n, k, generator=generator) * 0.05 for _ in range(LAYERS)]
+        for name, (n, k) in LAYER_SHAPES.items()
+    }
     plain["head"] = [torch.randn(*HEAD_SHAPE, generator=generator) * 0.05]
     reorder, pack = torch.ops.mkldnn._reorder_linear_weight, torch.ops.pagedllm_cpu.pack_float_panels
     kinds = {
@@ -73,11 +75,16 @@ def main() -> None:
                 times.setdefault((kind, "layers"), []).append(step(fn, packed, xs, LAYER_SHAPES))
                 times.setdefault((kind, "head"), []).append(step(fn, packed, xs, ["head"]))
         median = {key: statistics.median(value) * 1e3 for key, value in times.items()}
-        ratios = {part: statistics.median(a / b for a, b in zip(times[("oneDNN", part)], times[("panels", part)]))
-                  for part in ("layers", "head")}
-        print(f"| {m} | {median[('oneDNN', 'layers')]:.1f} | {median[('panels', 'layers')]:.1f} | "
-              f"{ratios['layers']:.2f}x | {median[('oneDNN', 'head')]:.1f} | {median[('panels', 'head')]:.1f} | "
-              f"{ratios['head']:.2f}x |", flush=True)
+        ratios = {
+            part: statistics.median(a / b for a, b in zip(times[("oneDNN", part)], times[("panels", part)]))
+            for part in ("layers", "head")
+        }
+        print(
+            f"| {m} | {median[('oneDNN', 'layers')]:.1f} | {median[('panels', 'layers')]:.1f} | "
+            f"{ratios['layers']:.2f}x | {median[('oneDNN', 'head')]:.1f} | {median[('panels', 'head')]:.1f} | "
+            f"{ratios['head']:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,28 +28,12 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace pagedllm_cpu;
-
-// Two sums of eight lanes each, side by side, then the lanes, then the last n % 8 products: a fixed order for each n.
-inline float dot(const float* a, const float* b, int64_t n) {
-  Lanes even = {}, odd = {};
-  int64_t i = 0;
-  for (; i + 2 * LANES <= n; i += 2 * LANES) {
-    even += load_lanes(a + i) * load_lanes(b + i);
-    odd += load_lanes(a + i + LANES) * load_lanes(b + i + LANES);
-  }
-  if (i + LANES <= n) {
-    even += load_lanes(a + i) * load_lanes(b + i);
-    i += LANES;
-  }
-  float total = sum_lanes(even + odd);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
 
 // A cache row of `dim` values as float32: float32 rows are read where they are, others widened into `scratch`.
 inline const float* widened(const float* row, float*, int64_t) { return row; }
@@ -86,89 +70,238 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, table_width;
 };
 
-// visit(p, head, row, row_scale) for positions p = 0 .. visible - 1 in order, block by block through the table, and
-// for each KV head of first_head .. last_head - 1 at that position: its cache row as float32 (widened into
-// `scratch` unless the cache is float32) and its fp8 scale (1 without scales). The rows of the position
-// PREFETCH_AHEAD later are prefetched as each is visited: a sequence's blocks lie anywhere in the cache, which the
-// hardware prefetchers do not follow.
-constexpr int64_t PREFETCH_AHEAD = 2;
-
 // What a task costs beside its keys (its buffers, queries and outputs), counted as keys when tasks are dealt out.
 constexpr int64_t TASK_SETUP_KEYS = 16;
 
-template <typename Cache, typename Visit>
-inline void for_each_row(const Cache* cache, const float* scales, const int32_t* table, int64_t visible,
-                         int64_t first_head, int64_t last_head, const Shape& shape, float* scratch, Visit&& visit) {
-  const int64_t block_size = shape.block_size, blocks = (visible + block_size - 1) / block_size;
-  const int64_t slot_values = shape.kv_heads * shape.dim, slot_bytes = slot_values * sizeof(Cache);
-  for (int64_t j = 0; j < blocks; ++j) {
-    const int64_t block = table[j], count = std::min(block_size, visible - j * block_size);
-    for (int64_t offset = 0; offset < count; ++offset) {
-      const int64_t p = j * block_size + offset, ahead = p + PREFETCH_AHEAD;
-      if (ahead < visible) {
-        const int64_t slot = table[ahead / block_size] * block_size + ahead % block_size;
-        const char* row = reinterpret_cast<const char*>(cache + slot * slot_values);
-        for (int64_t at = 0; at < slot_bytes; at += 64) __builtin_prefetch(row + at);
+// Keys a score tile takes at once, and how far ahead of a tile its rows are prefetched (a sequence's blocks lie
+// anywhere in the cache, which the hardware prefetchers do not follow).
+constexpr int64_t TILE_KEYS = 4;
+constexpr int64_t PREFETCH_KEYS = 16;
+
+// How the kernel reads a cache of type Cache: float32 and bfloat16 rows where they are (8 lanes widened as they
+// are loaded), float16 and fp8 rows widened to float32 once per task.
+template <typename Cache>
+using RowOf = std::conditional_t<std::is_same_v<Cache, float> || std::is_same_v<Cache, c10::BFloat16>, Cache, float>;
+
+using pagedllm_cpu::load_lanes;  // float32's, beside this overload
+
+inline Lanes load_lanes(const c10::BFloat16* at) {
+  typedef uint16_t Halves __attribute__((vector_size(16)));
+  typedef uint32_t Words __attribute__((vector_size(32)));
+  Halves bits;
+  std::memcpy(&bits, at, sizeof bits);
+  const Words words = __builtin_convertvector(bits, Words) << 16;
+  Lanes lanes;
+  std::memcpy(&lanes, &words, sizeof lanes);
+  return lanes;
+}
+
+// One KV head's cache rows for positions 0 .. visible - 1: `rows[p]` points into the cache, or into `widened_rows`
+// (float16 and fp8 rows, each converted once); `row_scales[p]` is its fp8 scale (empty without scales).
+template <typename Row>
+struct HeadRows {
+  std::vector<const Row*> rows;
+  std::vector<float> widened_rows, row_scales;
+
+  // Rows converted here are read here: each position prefetches the same offset of the next block, `span` values
+  // (this head's row and the task's later heads').
+  template <typename Cache>
+  void gather(const Cache* cache, const float* scales, const int32_t* table, int64_t visible, int64_t head,
+              int64_t span, const Shape& shape) {
+    const int64_t block_size = shape.block_size, dim = shape.dim, slot_values = shape.kv_heads * dim;
+    rows.resize(visible);
+    row_scales.resize(scales ? visible : 0);
+    if constexpr (!std::is_same_v<Cache, Row>) widened_rows.resize(visible * dim);
+    for (int64_t p = 0, j = 0; p < visible; ++j) {  // block by block: no division a position
+      const int64_t block = table[j], count = std::min(block_size, visible - p);
+      const Cache* block_rows = cache + block * block_size * slot_values + head * dim;
+      for (int64_t offset = 0; offset < count; ++offset, ++p) {
+        if constexpr (std::is_same_v<Cache, Row>) {
+          rows[p] = block_rows + offset * slot_values;
+        } else {
+          if (p + block_size < visible) {
+            const Cache* ahead = cache + (table[j + 1] * block_size + offset) * slot_values + head * dim;
+            for (int64_t at = 0; at < span * int64_t(sizeof(Cache)); at += 64)
+              __builtin_prefetch(reinterpret_cast<const char*>(ahead) + at);
+          }
+          rows[p] = widened(block_rows + offset * slot_values, widened_rows.data() + p * dim, dim);
+        }
+        if (scales) row_scales[p] = scales[(block * shape.kv_heads + head) * block_size + offset];
       }
-      const Cache* slot_rows = cache + (block * block_size + offset) * slot_values;
-      for (int64_t head = first_head; head < last_head; ++head) {
-        const float row_scale = scales ? scales[(block * shape.kv_heads + head) * block_size + offset] : 1.f;
-        visit(p, head, widened(slot_rows + head * shape.dim, scratch, shape.dim), row_scale);
+    }
+  }
+};
+
+template <typename Row>
+inline void prefetch_span(const Row* row, int64_t count) {
+  for (int64_t d = 0; d < count; d += 64 / sizeof(Row)) __builtin_prefetch(row + d);
+}
+
+// scores[g, p] = dot(q[g], k[p]) * key_scale[p] for GT query heads (q rows `dim` apart, scores rows `visible`
+// apart) and every key, TILE_KEYS keys at a time. Each score is one chain of fused multiply-adds over the head's
+// vectors of 8 dims, its lanes summed by sum_lanes4, then the last dim % 8 products added in order: the same
+// instructions for every key and query, wherever they fall in a tile.
+template <int GT, typename Row>
+void score_rows(const float* q, const HeadRows<Row>& keys, int64_t visible, int64_t dim, int64_t span, float* scores) {
+  const int64_t vectors_end = dim / LANES * LANES;
+  const Row* const* rows = keys.rows.data();
+  const float* row_scales = keys.row_scales.empty() ? nullptr : keys.row_scales.data();
+  for (int64_t p0 = 0; p0 < visible; p0 += TILE_KEYS) {
+    const int64_t count = std::min(TILE_KEYS, visible - p0);
+    const Row* k[TILE_KEYS];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < TILE_KEYS; ++i) k[i] = rows[p0 + std::min(i, count - 1)];  // repeats: discarded
+    for (int64_t i = p0 + PREFETCH_KEYS; i < std::min(visible, p0 + PREFETCH_KEYS + TILE_KEYS); ++i)
+      prefetch_span(rows[i], span);
+    Lanes sum[GT][TILE_KEYS];
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < TILE_KEYS; ++i) sum[g][i] = Lanes{};
+    for (int64_t d = 0; d < vectors_end; d += LANES) {
+      Lanes key[TILE_KEYS];
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < TILE_KEYS; ++i) key[i] = load_lanes(k[i] + d);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const Lanes query = load_lanes(q + g * dim + d);
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < TILE_KEYS; ++i) sum[g][i] = fma_lanes(query, key[i], sum[g][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      Quad tile = sum_lanes4(sum[g][0], sum[g][1], sum[g][2], sum[g][3]);
+      float* out = scores + g * visible + p0;
+      if (count == TILE_KEYS && vectors_end == dim && !row_scales) {
+        std::memcpy(out, &tile, sizeof tile);
+        continue;
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        float total = tile[i];
+        for (int64_t d = vectors_end; d < dim; ++d) total += q[g * dim + d] * static_cast<float>(k[i][d]);
+        out[i] = row_scales ? total * row_scales[p0 + i] : total;
       }
     }
   }
 }
 
-// KV heads first_head .. last_head - 1 of one row (their group query heads each) over its `visible` keys. Each head
-// is computed by the same instructions whichever range it is part of; a range of several heads reads a block's
-// rows of those heads as one run of memory, which the hardware prefetchers follow.
+// acc[g, d0 .. d0 + 8 DV) = sum over p in order of weights[g, p] v[p][d0 ..] for GT query heads (weights rows
+// `visible` apart, acc rows `dim` apart): one chain of fused multiply-adds per output.
+template <int GT, int DV, typename Row>
+void value_tile(const float* weights, const HeadRows<Row>& values, int64_t visible, int64_t d0, int64_t dim, int64_t span,
+                float* acc) {
+  Lanes sum[GT][DV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) sum[g][j] = Lanes{};
+  for (int64_t p = 0; p < visible; ++p) {
+    const Row* v = values.rows[p] + d0;
+    if (p + PREFETCH_KEYS < visible) prefetch_span(values.rows[p + PREFETCH_KEYS] + d0, span);
+    Lanes value[DV];
+#pragma GCC unroll 4
+    for (int j = 0; j < DV; ++j) value[j] = load_lanes(v + j * LANES);
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      const Lanes weight = broadcast_lanes(weights[g * visible + p]);
+#pragma GCC unroll 4
+      for (int j = 0; j < DV; ++j) sum[g][j] = fma_lanes(weight, value[j], sum[g][j]);
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < DV; ++j) std::memcpy(acc + g * dim + d0 + j * LANES, &sum[g][j], sizeof(Lanes));
+}
+
+// Every dim of acc for GT query heads: tiles of DV vectors (GT x DV sums, DV values and a weight in the 16 vector
+// registers: 3 x 3 or 2 x 4), then the last dim % 8 dims, each output's sum in order.
+template <int GT, typename Row>
+void value_tiles(const float* weights, const HeadRows<Row>& values, int64_t visible, int64_t dim, int64_t span,
+                 float* acc) {
+  constexpr int DV = GT == 3 ? 3 : 4;
+  const int64_t vectors = dim / LANES;
+  int64_t j = 0;
+  // the first tile prefetches `span` values of each row (the task's later heads' too), later tiles one line
+  for (; j + DV <= vectors; j += DV)
+    value_tile<GT, DV>(weights, values, visible, j * LANES, dim, j == 0 ? span : 1, acc);
+  switch (vectors - j) {
+    case 3: value_tile<GT, 3>(weights, values, visible, j * LANES, dim, j == 0 ? span : 1, acc); break;
+    case 2: value_tile<GT, 2>(weights, values, visible, j * LANES, dim, j == 0 ? span : 1, acc); break;
+    case 1: value_tile<GT, 1>(weights, values, visible, j * LANES, dim, j == 0 ? span : 1, acc); break;
+    default: break;
+  }
+  for (int64_t d = vectors * LANES; d < dim; ++d)
+    for (int g = 0; g < GT; ++g) {
+      float total = 0.f;
+      for (int64_t p = 0; p < visible; ++p) total += weights[g * visible + p] * static_cast<float>(values.rows[p][d]);
+      acc[g * dim + d] = total;
+    }
+}
+
+// The query heads of a group in tiles of up to three (three heads x four keys, or x four value vectors, are twelve
+// sums in registers), as even as they go: group 4 -> 2 + 2, 8 -> 3 + 3 + 2. body(first, count).
+template <typename Body>
+inline void for_each_head_tile(int64_t group, Body&& body) {
+  const int64_t tiles = (group + 2) / 3;
+  for (int64_t t = 0, first = 0; t < tiles; ++t) {
+    const int64_t count = group / tiles + (t < group % tiles);
+    body(first, count);
+    first += count;
+  }
+}
+
+// KV heads first_head .. last_head - 1 of one row (their group query heads each) over its `visible` keys, read in
+// place through the block table: scores, softmax, then the probability-weighted sum of values, in float32. Each
+// head is computed by the same instructions whichever range it is part of and whatever else the step holds.
 template <typename Query, typename Cache>
 void attend_heads(const Query* query, const Cache* k_cache, const Cache* v_cache, const float* k_scales,
                   const float* v_scales, const int32_t* table, int64_t visible, int64_t first_head, int64_t last_head,
                   float scale, const Shape& shape, Query* out) {
   const int64_t dim = shape.dim, group = shape.group;
-  const int64_t rows = (last_head - first_head) * group;  // query heads of the range
   thread_local std::vector<float> buffer;
-  buffer.resize(rows * (visible + 2 * dim + 1) + dim);
-  float* q = buffer.data();              // [rows, dim]: the queries, times the scale
-  float* acc = q + rows * dim;           // [rows, dim]: the probability-weighted sums of values
-  float* scores = acc + rows * dim;      // [rows, visible]: scores, then probabilities
-  float* totals = scores + rows * visible;  // [rows]: the probabilities' sums
-  float* widened_row = totals + rows;       // one cache row widened to float32
-  const Query* first_query = query + first_head * group * dim;
-  for (int64_t i = 0; i < rows * dim; ++i) q[i] = static_cast<float>(first_query[i]) * scale;
-  for_each_row(k_cache, k_scales, table, visible, first_head, last_head, shape, widened_row,
-               [&](int64_t p, int64_t head, const float* key, float key_scale) {
-                 for (int64_t r = (head - first_head) * group; r < (head - first_head + 1) * group; ++r) {
-                   scores[r * visible + p] = dot(q + r * dim, key, dim) * key_scale;
-                 }
-               });
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * visible;
-    float largest = -INFINITY;
+  thread_local HeadRows<RowOf<Cache>> keys, values;
+  buffer.resize(group * (visible + 2 * dim + 1));
+  float* q = buffer.data();                 // [group, dim]: a KV head's queries, times the scale
+  float* acc = q + group * dim;             // [group, dim]: the probability-weighted sums of values
+  float* scores = acc + group * dim;        // [group, visible]: scores, then probabilities (times value scales)
+  float* totals = scores + group * visible; // [group]: the probabilities' sums
+  for (int64_t head = first_head; head < last_head; ++head) {
+    const Query* head_query = query + head * group * dim;
+    for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(head_query[i]) * scale;
+    // Each pass prefetches the rows of this head and of the task's later heads, which lie after it in each slot:
+    // the first head's passes read the range's part of every slot as one run of memory.
+    // (rows widened by gather are prefetched there, as they are read)
+    const int64_t span = (last_head - head) * dim, row_span = std::is_same_v<Cache, RowOf<Cache>> ? span : dim;
+    keys.gather(k_cache, k_scales, table, visible, head, span, shape);
+    for_each_head_tile(group, [&](int64_t g0, int64_t count) {
+      if (count == 3) score_rows<3>(q + g0 * dim, keys, visible, dim, row_span, scores + g0 * visible);
+      if (count == 2) score_rows<2>(q + g0 * dim, keys, visible, dim, row_span, scores + g0 * visible);
+      if (count == 1) score_rows<1>(q + g0 * dim, keys, visible, dim, row_span, scores + g0 * visible);
+    });
+    values.gather(v_cache, v_scales, table, visible, head, span, shape);
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * visible;
+      float largest = -INFINITY;
 #pragma omp simd reduction(max : largest)
-    for (int64_t p = 0; p < visible; ++p) largest = std::max(largest, s[p]);
-    float total = 0.f;
+      for (int64_t p = 0; p < visible; ++p) largest = std::max(largest, s[p]);
+      float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < visible; ++p) {
-      s[p] = exp_nonpositive(s[p] - largest);
-      total += s[p];
+      for (int64_t p = 0; p < visible; ++p) {
+        s[p] = exp_nonpositive(s[p] - largest);
+        total += s[p];
+      }
+      totals[g] = total;
+      if (v_scales)
+        for (int64_t p = 0; p < visible; ++p) s[p] *= values.row_scales[p];
     }
-    totals[r] = total;
-  }
-  std::fill(acc, acc + rows * dim, 0.f);
-  for_each_row(v_cache, v_scales, table, visible, first_head, last_head, shape, widened_row,
-               [&](int64_t p, int64_t head, const float* value, float value_scale) {
-                 for (int64_t r = (head - first_head) * group; r < (head - first_head + 1) * group; ++r) {
-                   const float weight = scores[r * visible + p] * value_scale;
-                   float* a = acc + r * dim;
-#pragma omp simd
-                   for (int64_t d = 0; d < dim; ++d) a[d] += weight * value[d];
-                 }
-               });
-  Query* first_out = out + first_head * group * dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < dim; ++d) first_out[r * dim + d] = static_cast<Query>(acc[r * dim + d] / totals[r]);
+    for_each_head_tile(group, [&](int64_t g0, int64_t count) {
+      if (count == 3) value_tiles<3>(scores + g0 * visible, values, visible, dim, row_span, acc + g0 * dim);
+      if (count == 2) value_tiles<2>(scores + g0 * visible, values, visible, dim, row_span, acc + g0 * dim);
+      if (count == 1) value_tiles<1>(scores + g0 * visible, values, visible, dim, row_span, acc + g0 * dim);
+    });
+    Query* head_out = out + head * group * dim;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d) head_out[g * dim + d] = static_cast<Query>(acc[g * dim + d] / totals[g]);
   }
 }
 
