@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
+from pagedllm.attention.fp8 import FP8_DTYPE
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
-from pagedllm.executor.kv_cache import allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes
+from pagedllm.executor.kv_cache import allocate_kv_cache, bind_kv_cache, choose_num_kv_blocks, kv_block_bytes, zeros
 from pagedllm.models.spec import DecoderSpec
 
 SPEC = DecoderSpec(
@@ -54,3 +57,16 @@ def test_bind_gives_each_layer_its_slice_and_scales():
 def test_kv_cache_dtype_is_validated():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'int8'"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE])
+def test_a_cpu_cache_is_zeroed_writable_memory_that_its_views_keep_alive(dtype):
+    cache = zeros((2, 3, 16, 2, 8), dtype, torch.device("cpu"))
+    assert cache.shape == (2, 3, 16, 2, 8) and cache.dtype == dtype and cache.is_contiguous()
+    assert not cache.view(torch.uint8).any()
+    layer = cache[1]
+    del cache
+    gc.collect()
+    layer.view(torch.uint8).fill_(7)  # the map outlives the tensor it was made for, while a view holds it
+    assert layer.view(torch.uint8).eq(7).all()
+    assert zeros((0, 4), dtype, torch.device("cpu")).shape == (0, 4)
