@@ -2,11 +2,12 @@
 
 A verify step of 1 + m tokens costs more than a decode step of one; it pays when enough drafts are accepted. Its
 cost is 1 + fixed + per_draft * m decode steps (VerifyCost), which depends on the kernel the projections and the LM
-head run: on the default model on CPU, one sequence (least-squares lines through m = 1..8 of `python
-benchmarks/speculative.py --cost --k 8`, benchmarks/NOTES.md), float weights cost 0.55 for the first extra row and
-0.05 a draft (the extra rows turn matrix-vector products into matrix products), GGUF blocks kept 0.5 a draft from
-the first (0.44-0.55 at m = 1..8, two runs, since session 28's decode stack took a third off a one-row step and
-nothing off a draft: the grouped-integer kernel's work grows with its rows). Accepting a of m drafts
+head run: on the default model on CPU, one sequence (`python benchmarks/speculative.py --cost`, benchmarks/NOTES.md),
+float weights (in panels, layers/cpu_float_gemm.cpp) 0.15 a draft from the first (0.09-0.11 at m = 1, 0.47-0.61 at
+4, 0.69-0.89 at 6: two runs, session 32; the line stays at or above them, so back-off pauses sooner than it must,
+never later), GGUF blocks kept 0.5 a draft from the first (0.44-0.55 at m = 1..8, two runs, since session 28's
+decode stack took a third off a one-row step and nothing off a draft: the grouped-integer kernel's work grows with
+its rows). Accepting a of m drafts
 saves a decode steps, so a verify pays when a > fixed + per_draft * m. Over a window of a request's last WINDOW
 verify steps, fewer accepted drafts than that sum pauses the request's speculation; so do WINDOW attempts in a row
 that proposed nothing (lookups cost host time; under async scheduling a request that may speculate keeps steps
@@ -40,7 +41,7 @@ class VerifyCost:
         return sum(self.fixed + self.per_draft * proposed for proposed, _ in window)
 
 
-FLOAT_WEIGHTS = VerifyCost(0.55, 0.05)
+FLOAT_WEIGHTS = VerifyCost(0.0, 0.15)
 INT4_BLOCKS = VerifyCost(0.0, 0.5)  # GGUF blocks kept quantized (layers/quantization/gguf.py)
 
 
