@@ -7,8 +7,6 @@ gpu_memory_utilization leaves after the weights and the peak of a warm-up step; 
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +17,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.fp8 import FP8_DTYPE, SCALE_DTYPE
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
+from pagedllm.cpu_memory import mapped_zeros
 from pagedllm.layers.parallel_state import kv_heads_per_rank
 from pagedllm.models.spec import DecoderSpec
 
@@ -144,19 +143,13 @@ def allocate_kv_cache(
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """On the CPU, an anonymous memory map: pages the OS hands out zeroed and maps when first written, not now, so a
-    large cache costs nothing at start-up (torch.zeros wrote 1 GiB in ~2.5 s on a 2-core machine). It asks for 2 MiB
-    pages (Linux's MADV_HUGEPAGE, where the kernel allows it): a prompt's first writes into fresh blocks then fault
-    once per 2 MiB rather than per 4 KiB, ~20x less time (benchmarks/NOTES.md, session 32), at the price of resident
-    memory that grows in 2 MiB steps. All-zero bytes are 0.0 in every float format the cache takes."""
-    num_bytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or num_bytes == 0:
+    """On the CPU, a map of its own (cpu_memory.mapped_zeros): pages the OS maps when first written, not now, so a
+    large cache costs nothing at start-up (torch.zeros wrote 1 GiB in ~2.5 s on a 2-core machine), asked for in 2 MiB
+    pages: a prompt's first writes into fresh blocks then fault once per 2 MiB rather than per 4 KiB, ~20x less time
+    (benchmarks/NOTES.md, session 32), at the price of resident memory that grows in 2 MiB steps."""
+    if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, num_bytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    # the tensor holds a reference to the map, which lives as long as the cache does
-    return torch.frombuffer(memory, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
+    return mapped_zeros(shape, dtype)
 
 
 def bind_kv_cache(model: nn.Module, cache: KVCache, backend: AttentionBackend) -> None:

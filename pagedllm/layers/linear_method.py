@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.cpu_memory import mapped_copy
 from pagedllm.loader.checkpoint_tensor import CheckpointTensor, copy_weight
 
 # How the CPU decode stack (models/cpu_decode_stack.cpp) multiplies as a method does: at::linear, oneDNN on a
@@ -93,7 +94,8 @@ class UnquantizedLinearMethod(LinearMethod):
         """A copy of the plain weight [out, in] in the layout this method's product runs fastest on (float32 panels
         [out / 16, in, 16], or oneDNN's blocked layout), or None where it takes the plain weight."""
         if self.panels and weight.dtype == torch.float32 and weight.shape[0] % PANEL_COLUMNS == 0:
-            return torch.ops.pagedllm_cpu.pack_float_panels(weight)
+            # in 2 MiB pages: every step streams every panel (cpu_memory)
+            return mapped_copy(torch.ops.pagedllm_cpu.pack_float_panels(weight))
         if weight.dtype in self.onednn_dtypes:
             return torch.ops.mkldnn._reorder_linear_weight(weight)
         return None
