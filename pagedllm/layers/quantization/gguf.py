@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -106,6 +105,8 @@ def decode_q5_1(blocks: torch.Tensor) -> IntGroups:
 def k_quant_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K super-blocks: d, dmin (f16) and 12 bytes of 6-bit scales and minimums for 8 sub-blocks of 32;
     a sub-block's weight is d sc q - dmin m. Returns (d sc, dmin m), [rows, blocks x 8, 1]."""
+    import gguf  # here, not at import: the engine runs without the gguf package until a GGUF file is loaded
+
     rows, count = blocks.shape[:2]
     packed = blocks[..., 4:16].reshape(-1, 12).numpy()
     sc, m = gguf.quants.Q4_K.get_scale_min(packed)
