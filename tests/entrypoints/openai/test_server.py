@@ -437,7 +437,10 @@ def test_client_disconnect_aborts_and_frees_blocks(server, client, stream_client
 
 def test_non_streamed_disconnect_aborts(server):
     aborted_before = server.metric("vllm:request_success_total", finished_reason="abort")
-    body = {"model": server.model, "prompt": "The quick brown", "max_tokens": 480, "ignore_eos": True}
+    # 32 samples with 20 logprobs each: ~2.8 s of work on a 2-core CPU, where one sample of 480 tokens took ~0.3 s,
+    # the client's own timeout, and sometimes finished before the server saw the client leave
+    body = {"model": server.model, "prompt": "The quick brown", "max_tokens": 480, "ignore_eos": True, "n": 32,
+            "logprobs": 20}  # fmt: skip
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{server.base_url}/v1/completions",
