@@ -96,6 +96,12 @@ inline Lanes load_lanes(const c10::BFloat16* at) {
   return lanes;
 }
 
+// Prefetches `count` values from `row` on, a cache line at a time.
+template <typename Row>
+inline void prefetch_span(const Row* row, int64_t count) {
+  for (int64_t d = 0; d < count; d += 64 / sizeof(Row)) __builtin_prefetch(row + d);
+}
+
 // One KV head's cache rows for positions 0 .. visible - 1: `rows[p]` points into the cache, or into `widened_rows`
 // (float16 and fp8 rows, each converted once); `row_scales[p]` is its fp8 scale (empty without scales).
 template <typename Row>
@@ -119,11 +125,8 @@ struct HeadRows {
         if constexpr (std::is_same_v<Cache, Row>) {
           rows[p] = block_rows + offset * slot_values;
         } else {
-          if (p + block_size < visible) {
-            const Cache* ahead = cache + (table[j + 1] * block_size + offset) * slot_values + head * dim;
-            for (int64_t at = 0; at < span * int64_t(sizeof(Cache)); at += 64)
-              __builtin_prefetch(reinterpret_cast<const char*>(ahead) + at);
-          }
+          if (p + block_size < visible)
+            prefetch_span(cache + (table[j + 1] * block_size + offset) * slot_values + head * dim, span);
           rows[p] = widened(block_rows + offset * slot_values, widened_rows.data() + p * dim, dim);
         }
         if (scales) row_scales[p] = scales[(block * shape.kv_heads + head) * block_size + offset];
@@ -131,11 +134,6 @@ struct HeadRows {
     }
   }
 };
-
-template <typename Row>
-inline void prefetch_span(const Row* row, int64_t count) {
-  for (int64_t d = 0; d < count; d += 64 / sizeof(Row)) __builtin_prefetch(row + d);
-}
 
 // scores[g, p] = dot(q[g], k[p]) * key_scale[p] for GT query heads (q rows `dim` apart, scores rows `visible`
 // apart) and every key, TILE_KEYS keys at a time. Each score is one chain of fused multiply-adds over the head's
