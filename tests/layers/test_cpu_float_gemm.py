@@ -39,18 +39,19 @@ def test_the_product_is_the_float64_products_within_float32_rounding(n, k):
 
 
 def test_a_rows_bits_depend_on_that_row_alone():
-    """Tiles of 1, 2, 3 and 6 rows and 1-4 panels, one thread or two: each row of every product equals that row
-    multiplied alone, to the bit (batch composition and speculation's verify rows change no output)."""
+    """Tiles of 1, 2, 3 and 6 rows and 1-4 panels, one thread or two, blocks of rows (48 here, K > 1024) whole and
+    partial: each row of every product equals that row multiplied alone, to the bit (batch composition, prompt
+    chunks and speculation's verify rows change no output)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(208, 1100, generator=generator)  # 13 panels: every tile width leaves a remainder
     packed = torch.ops.pagedllm_cpu.pack_float_panels(weight)
-    x = torch.randn(20, 1100, generator=generator)
+    x = torch.randn(150, 1100, generator=generator)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([torch.ops.pagedllm_cpu.float_panels_mm(x[i : i + 1], packed) for i in range(20)])
+        alone = torch.cat([torch.ops.pagedllm_cpu.float_panels_mm(x[i : i + 1], packed) for i in range(150)])
         torch.set_num_threads(2)
-        for m in range(1, 21):
+        for m in [*range(1, 21), 47, 48, 49, 97, 150]:
             assert torch.equal(torch.ops.pagedllm_cpu.float_panels_mm(x[:m], packed), alone[:m]), m
     finally:
         torch.set_num_threads(threads)
