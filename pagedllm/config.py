@@ -25,6 +25,11 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
+# A step's token budget when none is asked for, {on a GPU: ..., else: ...}. A CPU takes vLLM's serving default there:
+# a prompt step's activations then stay under glibc's largest mmap threshold (32 MiB) for the default model, so they
+# reuse heap pages instead of faulting new maps in every layer (8,192: ~2.5 million faults and ~12% more time on
+# nano-vllm's prompts; benchmarks/NOTES.md, session 33), and decoding rows wait behind a quarter of the prompt tokens.
+DEFAULT_BATCHED_TOKENS = {True: 8192, False: 2048}
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
 # The linear layers' weight formats (layers/quantization/); "none" (the command line's None) the same as None
 QUANTIZATIONS = ("auto", "none", "fp8", "gguf")
@@ -43,7 +48,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
@@ -109,6 +114,7 @@ class EngineConfig:
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS[device.type == "cuda"]
         attention_backend = asked_attention_backend(self.attention_backend, device)
         quantization = resolve_quantization(self.quantization, device, checkpoint_format, self.attention_backend)
         kernels = resolve_kernel_choices(
@@ -117,7 +123,8 @@ class EngineConfig:
         )  # fmt: skip
         config = replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, async_scheduling=async_scheduling,
-            attention_backend=attention_backend, quantization=quantization and quantization.split("_")[0],
+            max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend,
+            quantization=quantization and quantization.split("_")[0],
         )  # fmt: skip
         threads, threads_source = (self.threads, "asked for") if self.threads is not None else default_threads()
         config = replace(config, threads=threads)
@@ -359,7 +366,12 @@ FIELD_RULES: dict[str, Rule] = {
         is_positive_or_none,
     ),
     "max_num_seqs": Rule("most sequences in a batch (and in the scheduler at once)", (int,), POSITIVE_INT, is_positive),
-    "max_num_batched_tokens": Rule("token budget per step", (int,), POSITIVE_INT, is_positive),
+    "max_num_batched_tokens": Rule(
+        "token budget per step; None: 8192 on a GPU, 2048 on a CPU",
+        (int, NONE),
+        "a positive int or None (8192 on a GPU, 2048 on a CPU)",
+        is_positive_or_none,
+    ),
     "block_size": Rule(
         "tokens per KV cache block", (int,), "a power of two from 1 to 256", lambda value: value in BLOCK_SIZES
     ),

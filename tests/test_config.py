@@ -41,6 +41,7 @@ def test_cpu_defaults():
     assert resolved.dtype == torch.float32
     assert resolved.max_model_len == 1024  # the tiny models' max_position_embeddings
     assert resolved.async_scheduling is False
+    assert resolved.config.max_num_batched_tokens == 2048  # vLLM's CPU serving budget: activations under 32 MiB
     assert (
         resolved.kernels
         == dataclasses.replace(
@@ -80,6 +81,7 @@ def test_cuda_defaults(monkeypatch, checkpoint_dtype, dtype):
     resolved = EngineConfig().resolve(tiny_spec(), checkpoint_dtype)
     assert (resolved.device, resolved.dtype) == (torch.device("cuda"), dtype)
     assert resolved.async_scheduling is True and resolved.config.attention_backend == "triton"
+    assert resolved.config.max_num_batched_tokens == 8192
     assert resolved.kernels == resolve_kernel_choices(
         attention_backend=None, device=torch.device("cuda"), head_dim=tiny_spec().head_dim
     )
@@ -113,6 +115,10 @@ def test_given_values_are_kept():
     config = EngineConfig(device="cpu", dtype="bf16", max_model_len=100, async_scheduling=True)
     resolved = config.resolve(tiny_spec(), torch.float16)
     assert (resolved.dtype, resolved.max_model_len, resolved.async_scheduling) == (torch.bfloat16, 100, True)
+    assert (
+        EngineConfig(device="cpu", max_num_batched_tokens=8192).resolve(tiny_spec(), None).config.max_num_batched_tokens
+        == 8192
+    )
 
 
 def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as_given():
@@ -124,6 +130,8 @@ def test_the_resolved_config_holds_the_resolved_values_and_the_other_settings_as
         expected = getattr(resolved, field.name) if field.name in concrete else getattr(config, field.name)
         if field.name == "attention_backend":
             expected = "cpu"  # None made concrete: the CPU's backend
+        if field.name == "max_num_batched_tokens":
+            expected = 2048  # None made concrete: the CPU's budget
         if field.name == "quantization":
             expected = None  # "auto" made concrete: this checkpoint's weights are not quantized
         assert getattr(resolved.config, field.name) == expected, field.name
