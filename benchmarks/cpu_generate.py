@@ -32,6 +32,14 @@ def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
     return prompts
 
 
+def nano_shape(vocab: int, count: int = 64) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's workload at `count` sequences, seeded: prompts of U[100, 512] random token ids (from 100 on: no
+    special tokens), outputs of U[50, 256] tokens."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(100, 512))] for _ in range(count)]
+    return prompts, [rng.randint(50, 256) for _ in range(count)]
+
+
 def time_pagedllm(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()

@@ -55,7 +55,7 @@ CASES = (
 def make_workloads(hf_dir: Path) -> dict[str, dict]:
     """Prompt token ids and output lengths of each workload, from the model's own chat template."""
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-    from cpu_generate import ASKS, NOTE, TOPICS
+    from cpu_generate import ASKS, NOTE, TOPICS, nano_shape
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -67,10 +67,7 @@ def make_workloads(hf_dir: Path) -> dict[str, dict]:
         messages = [{"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         chat.append(tokenizer.encode(text, add_special_tokens=False))
-    rng = random.Random(0)
-    vocab = len(tokenizer)
-    nano = [[rng.randrange(100, vocab) for _ in range(rng.randint(100, 512))] for _ in range(64)]
-    nano_lens = [rng.randint(50, 256) for _ in range(64)]
+    nano, nano_lens = nano_shape(len(tokenizer))
     return {
         "one": {"prompts": [chat[0]], "output_lens": [128]},
         "chat32": {"prompts": chat, "output_lens": [64] * 32},

@@ -25,11 +25,12 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 to 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64 (a negative seed wraps around to a positive one)
-# A step's token budget when none is asked for, {on a GPU: ..., else: ...}. A CPU takes vLLM's serving default there:
-# a prompt step's activations then stay under glibc's largest mmap threshold (32 MiB) for the default model, so they
-# reuse heap pages instead of faulting new maps in every layer (8,192: ~2.5 million faults and ~12% more time on
-# nano-vllm's prompts; benchmarks/NOTES.md, session 33), and decoding rows wait behind a quarter of the prompt tokens.
-DEFAULT_BATCHED_TOKENS = {True: 8192, False: 2048}
+# A step's token budget when none is asked for. A CPU takes vLLM's CPU serving default: a prompt step's activations
+# then stay under glibc's largest mmap threshold (32 MiB) for the default model, so they reuse heap pages instead of
+# faulting new maps in every layer (at 8,192: ~2.5 million faults and 10-14% more time on nano-vllm's prompts;
+# benchmarks/NOTES.md, session 33), and decoding rows wait behind a quarter of the prompt tokens.
+GPU_BATCHED_TOKENS = 8192
+CPU_BATCHED_TOKENS = 2048
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with scales (attention/fp8.py)
 # The linear layers' weight formats (layers/quantization/); "none" (the command line's None) the same as None
 QUANTIZATIONS = ("auto", "none", "fp8", "gguf")
@@ -114,7 +115,9 @@ class EngineConfig:
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype)
         max_model_len = resolve_max_model_len(self.max_model_len, spec)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
-        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS[device.type == "cuda"]
+        max_num_batched_tokens = self.max_num_batched_tokens or (
+            GPU_BATCHED_TOKENS if device.type == "cuda" else CPU_BATCHED_TOKENS
+        )
         attention_backend = asked_attention_backend(self.attention_backend, device)
         quantization = resolve_quantization(self.quantization, device, checkpoint_format, self.attention_backend)
         kernels = resolve_kernel_choices(
@@ -367,9 +370,9 @@ FIELD_RULES: dict[str, Rule] = {
     ),
     "max_num_seqs": Rule("most sequences in a batch (and in the scheduler at once)", (int,), POSITIVE_INT, is_positive),
     "max_num_batched_tokens": Rule(
-        "token budget per step; None: 8192 on a GPU, 2048 on a CPU",
+        f"token budget per step; None: {GPU_BATCHED_TOKENS} on a GPU, {CPU_BATCHED_TOKENS} on a CPU",
         (int, NONE),
-        "a positive int or None (8192 on a GPU, 2048 on a CPU)",
+        f"a positive int or None ({GPU_BATCHED_TOKENS} on a GPU, {CPU_BATCHED_TOKENS} on a CPU)",
         is_positive_or_none,
     ),
     "block_size": Rule(

@@ -23,7 +23,7 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[2] + "/benchmarks")
-from cpu_generate import chat_prompts
+from cpu_generate import chat_prompts, nano_shape
 from pagedllm import LLM, SamplingParams
 workload = sys.argv[1]
 threads = int(sys.argv[3]) or None  # 0: the engine's default
@@ -35,10 +35,8 @@ if workload == "one":
 elif workload == "chat16":
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 elif workload == "nano64":
-    import random
-    rng, vocab = random.Random(0), len(llm.get_tokenizer())
-    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(100, 512))] for _ in range(64)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(50, 256), ignore_eos=True) for _ in range(64)]
+    prompts, lens = nano_shape(len(llm.get_tokenizer()))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
 else:
     prompts, params = prompts[15:], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 requests = [{"prompt_token_ids": ids} for ids in prompts]
