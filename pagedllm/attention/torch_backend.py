@@ -135,7 +135,7 @@ class PromptChunk:
     end: int
     seq_len: int
     block_ids: torch.Tensor
-    visible: torch.Tensor  # [rows, seq_len] bool
+    visible: torch.Tensor | None  # [rows, seq_len] bool; None: no cached context, the rows are the keys (causal)
 
 
 @dataclass(slots=True)
@@ -202,8 +202,10 @@ def split_rows(metadata: AttentionMetadata, block_size: int) -> StepRows:
             split.short_seqs.extend([index] * (end - start))
             continue
         block_ids = context_block_ids(metadata.block_tables[index : index + 1], seq_len, block_size)
-        query_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
-        visible = torch.arange(seq_len, device=device)[None] <= query_pos[:, None]
+        visible = None
+        if seq_len > end - start:  # keys cached before the chunk: SDPA's is_causal would align them to its first row
+            query_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
+            visible = torch.arange(seq_len, device=device)[None] <= query_pos[:, None]
         split.chunks.append(PromptChunk(start, end, seq_len, block_ids, visible))
     return split
 
@@ -260,9 +262,11 @@ def attend_chunks(query, chunks: list[PromptChunk], kv, scale: float, flash_prom
         )  # [kv_heads, len, dim]
         queries, visible = query[chunk.start : chunk.end].transpose(0, 1), chunk.visible  # [heads, rows, dim]
         if flash_prompts:  # a batch of one: 4-D tensors
-            queries, keys, values, visible = queries[None], keys[None], values[None], visible[None, None]
+            queries, keys, values = queries[None], keys[None], values[None]
+            visible = None if visible is None else visible[None, None]
+        # is_causal skips the key tiles past each query tile (the flash kernel); a mask computes them: same bits
         attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+            queries, keys, values, attn_mask=visible, is_causal=visible is None, scale=scale, enable_gqa=True
         ).reshape(-1, chunk.end - chunk.start, query.shape[-1])  # [heads, rows, dim]
         out[chunk.start : chunk.end] = attended.transpose(0, 1)
 

@@ -37,26 +37,37 @@ def reference(query, keys, values, first_position):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("flash_prompts", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_chunk_with_cached_context_beside_a_decode_row(flash_prompts, dtype):
-    generator = torch.Generator().manual_seed(0)
-    seq_lens, query_lens = [70, 45], [30, 1]  # a chunk of 30 after 40 cached tokens; a decode row
-    blocks_per_seq = -(-max(seq_lens) // BLOCK)
-    shape = (2 * blocks_per_seq, BLOCK, KV_HEADS, DIM)
+def step(seq_lens, query_lens, dtype, generator):
+    num_seqs, blocks_per_seq = len(seq_lens), -(-max(seq_lens) // BLOCK)
+    shape = (num_seqs * blocks_per_seq, BLOCK, KV_HEADS, DIM)
     k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
-    tables = torch.randperm(2 * blocks_per_seq, generator=generator).int().view(2, -1)
+    tables = torch.randperm(num_seqs * blocks_per_seq, generator=generator).int().view(num_seqs, -1)
     query = torch.randn(sum(query_lens), HEADS, DIM, generator=generator).to(dtype)
     metadata = AttentionMetadata(
         slot_mapping=torch.full((sum(query_lens),), -1),
-        query_start_loc=torch.tensor([0, 30, 31], dtype=torch.int32),
+        query_start_loc=torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=tables,
-        max_query_len=30,
-        max_seq_len=70,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
         decode_only=False,
-        decoding=np.array([0, 1], np.int32),
+        decoding=np.array([int(q == 1) for q in query_lens], np.int32),
     )
+    return query, k_cache, v_cache, tables, metadata
+
+
+@pytest.mark.parametrize("flash_prompts", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "seq_lens, query_lens",
+    [
+        ([70, 45], [30, 1]),  # a chunk of 30 after 40 cached tokens; a decode row
+        ([37, 70, 45], [37, 30, 1]),  # a whole prompt (no cached context: is_causal) beside them
+    ],
+)
+def test_prompt_chunks_beside_a_decode_row(flash_prompts, dtype, seq_lens, query_lens):
+    generator = torch.Generator().manual_seed(0)
+    query, k_cache, v_cache, tables, metadata = step(seq_lens, query_lens, dtype, generator)
     with OpsCalled() as ops:
         out = paged_attention(query, k_cache, v_cache, metadata, DIM**-0.5, flash_prompts=flash_prompts)
     # The decode row takes the flash kernel either way; only the math path computes a softmax of its own.
@@ -68,3 +79,26 @@ def test_a_prompt_chunk_with_cached_context_beside_a_decode_row(flash_prompts, d
         expected = reference(query[start : start + query_len], keys, values, seq_len - query_len)
         torch.testing.assert_close(out[start : start + query_len].double(), expected, atol=tolerance, rtol=tolerance)
         start += query_len
+
+
+@pytest.mark.parametrize("flash_prompts", [False, True])
+def test_a_whole_prompt_takes_is_causal_with_the_masks_bits(flash_prompts):
+    """A chunk with no cached context goes to SDPA with is_causal (the flash kernel then skips the key tiles past
+    each query tile); its output has the bits of the same chunk under an explicit causal mask."""
+    generator = torch.Generator().manual_seed(1)
+    query, k_cache, v_cache, tables, metadata = step([600], [600], torch.float32, generator)
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def masked_instead(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append(is_causal)
+        if is_causal:
+            attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    out = paged_attention(query, k_cache, v_cache, metadata, DIM**-0.5, flash_prompts=flash_prompts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", masked_instead)
+        masked = paged_attention(query, k_cache, v_cache, metadata, DIM**-0.5, flash_prompts=flash_prompts)
+    assert calls == [True]
+    assert torch.equal(out, masked)
