@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("one", "chat32", "nano64")
+KV_BYTES = 4 << 30  # each engine's KV cache: room for nano64's 64 sequences at once
 # (engine, dtype, workload) rows of the table; "gguf": the GGUF file itself (llama.cpp's kernels, pagedllm's loader)
 CASES = (
     [
@@ -99,7 +100,9 @@ def run_pagedllm(args, work: dict) -> list[list[int]]:
 
     model = args.gguf if args.dtype == "gguf" else args.hf_dir
     dtype = "float32" if args.dtype == "gguf" else args.dtype
-    llm = LLM(model, dtype=dtype, device="cpu", threads=args.threads, max_model_len=2048)
+    llm = LLM(
+        model, dtype=dtype, device="cpu", threads=args.threads, max_model_len=2048, kv_cache_memory_bytes=KV_BYTES
+    )
 
     def generate(prompts, lens):
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -111,7 +114,7 @@ def run_pagedllm(args, work: dict) -> list[list[int]]:
 
 def run_vllm(args, work: dict) -> list[list[int]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_BYTES >> 30))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

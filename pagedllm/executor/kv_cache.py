@@ -21,8 +21,11 @@ from pagedllm.cpu_memory import mapped_zeros
 from pagedllm.layers.parallel_state import kv_heads_per_rank
 from pagedllm.models.spec import DecoderSpec
 
+# On CPU by default: a fifth of free memory, at most 4 GiB (vLLM's CPU default, VLLM_CPU_KVCACHE_SPACE=4). The map
+# is written lazily (zeros below), so pages a run never writes cost nothing; 1 GiB (~23K tokens of the default model
+# in float32) preempted nano-vllm's 64 sequences (benchmarks/NOTES.md, session 34).
 CPU_MEMORY_SHARE = 0.2
-CPU_MAX_KV_BYTES = 1 << 30
+CPU_MAX_KV_BYTES = 4 << 30
 
 
 @dataclass(slots=True)

@@ -70,3 +70,20 @@ def test_a_cpu_cache_is_zeroed_writable_memory_that_its_views_keep_alive(dtype):
     layer.view(torch.uint8).fill_(7)  # the map outlives the tensor it was made for, while a view holds it
     assert layer.view(torch.uint8).eq(7).all()
     assert zeros((0, 4), dtype, torch.device("cpu")).shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "free_bytes, max_num_seqs, expected_bytes",
+    [
+        (64 << 30, 256, 4 << 30),  # much free memory: vLLM's CPU default, 4 GiB
+        (10 << 30, 256, 2 << 30),  # less: a fifth of it
+        (64 << 30, 2, 2 * 2048 * 49152),  # a full batch needs less: that (2 sequences of 2,048 blocks)
+    ],
+)
+def test_the_cpu_default_is_a_share_of_free_memory_at_most_4_gib(monkeypatch, free_bytes, max_num_seqs, expected_bytes):
+    monkeypatch.setattr("pagedllm.executor.kv_cache.available_cpu_memory", lambda: free_bytes)
+    block_bytes = kv_block_bytes(SPEC, 16, torch.bfloat16, 1, "auto")
+    assert block_bytes == 49152  # K and V x 3 layers x 16 tokens x 2 heads x 128 dims x 2 bytes
+    config = EngineConfig(max_num_seqs=max_num_seqs)
+    blocks = choose_num_kv_blocks(config, block_bytes, 32768, torch.device("cpu"))
+    assert blocks == expected_bytes // block_bytes
